@@ -1,0 +1,31 @@
+"""Resolve a model spec once and cache it (the embedded default converts from its GGUF)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from mlxkit.cli._errors import guarded
+from mlxkit.cli._options import JsonOpt, QuietOpt, console, emit_json, make_reporter
+
+
+@guarded
+def fetch_command(
+    model: Annotated[str, typer.Argument(help="Model spec; default: the embedded SmolLM2-135M-Instruct.")] = "smollm2-135m",
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    from mlxkit.engines.models.loading import describe_source, load_config, resolve_spec
+
+    reporter = make_reporter(json_out, quiet, False)
+    source = resolve_spec(model, reporter)
+    config = load_config(str(source.path) if source.path else model)
+    info = {"spec": model, "kind": source.kind, "path": str(source.path) if source.path else None,
+            "model_type": config.model_type, "layers": getattr(config, "num_hidden_layers", None),
+            "hidden_size": getattr(config, "hidden_size", None)}
+    if json_out:
+        emit_json(info)
+    elif not quiet:
+        console.print(f"[green]ready[/green] {describe_source(source)}: {config.model_type}, "
+                      f"{info['layers']} layers, hidden {info['hidden_size']}")

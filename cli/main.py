@@ -1,0 +1,51 @@
+"""The `mlx` command: registers each verb from its own module."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from mlxkit import __version__
+
+app = typer.Typer(
+    name="mlx",
+    help="mlxkit: compress and deploy language models.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+    rich_markup_mode="rich",
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"mlxkit {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[Optional[bool], typer.Option("--version", callback=_version, is_eager=True,
+                                                    help="Print the version and exit.")] = None,
+) -> None:
+    """mlxkit: compress and deploy language models."""
+
+
+def _register() -> None:
+    from mlxkit.cli import eval as eval_cmd
+    from mlxkit.cli import fetch
+
+    app.command("eval", help=eval_cmd.__doc__)(eval_cmd.eval_command)
+    app.command("fetch", help=fetch.__doc__)(fetch.fetch_command)
+
+
+_register()
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""The `mlxkit.json` manifest written beside every artifact: how it was made."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mlxkit.engines.core.atomic import atomic_write_text
+
+MANIFEST_NAME = "mlxkit.json"
+
+
+def content_hash(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+    """sha256 of a file, or of a directory's files (names and bytes, sorted).
+
+    Large weight files are hashed in full: the manifest promises the exact inputs.
+    """
+    path = Path(path)
+    digest = hashlib.sha256()
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    for file in files:
+        if path.is_dir():
+            if file.name == MANIFEST_NAME or any(part.startswith(".") for part in file.relative_to(path).parts):
+                continue
+            digest.update(str(file.relative_to(path)).encode())
+        with open(file, "rb") as handle:
+            while block := handle.read(chunk):
+                digest.update(block)
+    return "sha256:" + digest.hexdigest()
+
+
+@dataclass
+class Manifest:
+    """Provenance of one output: tool version, command, inputs, seeds, timing, results."""
+
+    verb: str
+    inputs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    seeds: dict[str, int] = field(default_factory=dict)
+    settings: dict[str, Any] = field(default_factory=dict)
+    results: dict[str, Any] = field(default_factory=dict)
+    started: float = field(default_factory=time.time)
+
+    def add_input(self, role: str, spec: str, path: str | os.PathLike | None = None) -> None:
+        """Record an input by its spec and, when it is on disk, its content hash."""
+        entry: dict[str, Any] = {"spec": spec}
+        if path is not None and Path(path).exists():
+            entry["path"] = str(Path(path).resolve())
+            entry["hash"] = content_hash(path)
+        self.inputs[role] = entry
+
+    def to_dict(self) -> dict[str, Any]:
+        from mlxkit import __version__
+
+        return {
+            "tool": "mlxkit",
+            "version": __version__,
+            "verb": self.verb,
+            "command": _command_line(),
+            "inputs": self.inputs,
+            "seeds": self.seeds,
+            "settings": self.settings,
+            "results": self.results,
+            "started_unix": round(self.started, 3),
+            "wall_time_s": round(time.time() - self.started, 3),
+            "python": sys.version.split()[0],
+            "platform": platform.platform(),
+        }
+
+    def write(self, directory: str | os.PathLike) -> Path:
+        path = Path(directory) / MANIFEST_NAME
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=2, default=_jsonable) + "\n")
+        return path
+
+
+def read_manifest(directory: str | os.PathLike) -> dict[str, Any] | None:
+    path = Path(directory) / MANIFEST_NAME
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _command_line() -> str:
+    import shlex
+
+    argv = list(sys.argv)
+    if argv and argv[0].endswith(("/mlx", "\\mlx.exe")):
+        argv[0] = "mlx"
+    return " ".join(shlex.quote(a) for a in argv)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, Path):
+        return str(value)
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if hasattr(value, "model_dump"):
+        return value.model_dump()
+    return str(value)

@@ -1,0 +1,124 @@
+"""Text in: read files, tokenise, pack into fixed-length sequences, split train/validation."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mlxkit.engines.errors import InputError
+
+
+@dataclass
+class TokenBlocks:
+    """Packed token sequences `[n, seq_len]`, split deterministically into train and validation."""
+
+    train: torch.Tensor
+    val: torch.Tensor
+    description: str
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.train.shape[1] if self.train.numel() else self.val.shape[1])
+
+
+def read_texts(path: str | os.PathLike, text_field: str = "text") -> list[str]:
+    """Documents from a .txt file, a .jsonl file (one object per line), or a directory of .txt files."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise InputError(f"data '{path}' does not exist")
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*.txt") if p.is_file())
+        if not files:
+            raise InputError(f"data directory '{path}' holds no .txt files")
+        texts = [_read_utf8(f) for f in files]
+    elif path.suffix == ".jsonl":
+        texts = _read_jsonl(path, text_field)
+    elif path.suffix in (".txt", ".md", ".text", ".raw") or path.suffix == "":
+        texts = [_read_utf8(path)]
+    else:
+        raise InputError(f"data '{path}' has an unsupported format '{path.suffix}' (use .txt, .jsonl or a directory)")
+    texts = [t for t in texts if t.strip()]
+    if not texts:
+        raise InputError(f"data '{path}' holds no text")
+    return texts
+
+
+def _read_utf8(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(f"data file '{path}' is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
+
+def _read_jsonl(path: Path, text_field: str) -> list[str]:
+    texts = []
+    for number, line in enumerate(_read_utf8(path).splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise InputError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+        if not isinstance(record, dict) or text_field not in record:
+            raise InputError(f"{path}:{number}: no field '{text_field}' (choose one with --text-field)")
+        texts.append(str(record[text_field]))
+    return texts
+
+
+def tokenize(tokenizer, texts: list[str], max_tokens: int | None = None) -> torch.Tensor:
+    """One flat id stream: documents joined by the EOS token, cut at `max_tokens`.
+
+    Long documents are tokenised in pieces of characters, stopping as soon as enough
+    tokens exist, so a 10-token run over a huge file stays cheap.
+    """
+    separator = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    ids: list[int] = []
+    piece_chars = 1 << 20
+    for doc_index, text in enumerate(texts):
+        if doc_index and separator:
+            ids.extend(separator)
+        for start in range(0, len(text), piece_chars):
+            piece = text[start:start + piece_chars]
+            if start + piece_chars < len(text):  # cut at a line end so no word is split
+                cut = piece.rfind("\n")
+                if cut > 0:
+                    piece = piece[:cut + 1]
+            ids.extend(tokenizer(piece, add_special_tokens=False)["input_ids"])
+            if max_tokens is not None and len(ids) >= max_tokens:
+                return torch.tensor(ids[:max_tokens], dtype=torch.long)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def pack(ids: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Non-overlapping `[n, seq_len]` blocks; the ragged tail is dropped."""
+    if seq_len < 2:
+        raise InputError(f"sequence length must be at least 2 (got {seq_len})")
+    n = ids.numel() // seq_len
+    if n == 0:
+        raise InputError(f"the data has {ids.numel()} tokens, fewer than one sequence of {seq_len}")
+    return ids[: n * seq_len].view(n, seq_len)
+
+
+def split(blocks: torch.Tensor, val_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A seeded permutation of the blocks; the first `val_fraction` go to validation."""
+    if not 0.0 <= val_fraction < 1.0:
+        raise InputError(f"validation fraction must be in [0, 1) (got {val_fraction})")
+    generator = torch.Generator().manual_seed(seed)
+    order = torch.randperm(blocks.shape[0], generator=generator)
+    n_val = int(round(blocks.shape[0] * val_fraction))
+    if val_fraction > 0 and n_val == 0 and blocks.shape[0] > 1:
+        n_val = 1
+    return blocks[order[n_val:]], blocks[order[:n_val]]
+
+
+def load_blocks(path: str | os.PathLike, tokenizer, *, seq_len: int, max_tokens: int | None = None,
+                val_fraction: float = 0.1, seed: int = 0, text_field: str = "text") -> TokenBlocks:
+    """Read, tokenise, pack and split a user's text data."""
+    ids = tokenize(tokenizer, read_texts(path, text_field), max_tokens)
+    blocks = pack(ids, seq_len)
+    train, val = split(blocks, val_fraction, seed)
+    return TokenBlocks(train, val, f"{path} ({blocks.numel()} tokens in {blocks.shape[0]} x {seq_len})")

@@ -1,0 +1,40 @@
+"""`mlx eval`: load models and data, evaluate, return a plain result dict."""
+
+from __future__ import annotations
+
+import os
+
+from mlxkit.engines.core.progress import Reporter
+from mlxkit.engines.data.text import pack, read_texts, tokenize
+from mlxkit.engines.errors import InputError
+from mlxkit.engines.eval.language_model import evaluate
+from mlxkit.engines.models.loading import load_model
+
+
+def run_eval(model: str, *, data: str | os.PathLike | None, reference: str | None = None, max_tokens: int = 8192,
+             seq_len: int = 512, text_field: str = "text", seed: int = 0, allow_pickle: bool = False,
+             reporter: Reporter | None = None) -> dict:
+    reporter = reporter or Reporter()
+    if max_tokens < seq_len:
+        raise InputError(f"--max-tokens ({max_tokens}) must be at least --seq-len ({seq_len})")
+    loaded = load_model(model, allow_pickle=allow_pickle, reporter=reporter)
+    ref = load_model(reference, allow_pickle=allow_pickle, with_tokenizer=False, reporter=reporter) if reference else None
+    if ref is not None and ref.model.config.vocab_size != loaded.model.config.vocab_size:
+        raise InputError(f"'{model}' and reference '{reference}' have different vocabularies "
+                         f"({loaded.model.config.vocab_size} vs {ref.model.config.vocab_size})")
+    if data is not None:
+        ids = tokenize(loaded.tokenizer, read_texts(data, text_field), max_tokens)
+        blocks = pack(ids, seq_len)
+        description = str(data)
+    else:
+        from mlxkit.engines.data.sampled import sample_tokens
+
+        sampler = ref.model if ref is not None else loaded.model
+        blocks = sample_tokens(sampler, loaded.tokenizer, n_sequences=max(1, max_tokens // seq_len), seq_len=seq_len,
+                               seed=seed, reporter=reporter)
+        description = "text sampled from " + ("the reference" if ref is not None else "the model itself")
+    result = evaluate(loaded.model, blocks, reference=ref.model if ref else None, reporter=reporter).to_dict()
+    if ref is not None:
+        result["reference_perplexity"] = evaluate(ref.model, blocks).perplexity
+    result.update(model=model, reference=reference, data=description)
+    return result

@@ -1,0 +1,172 @@
+"""Resolve a model spec and load it as a float32 transformers model plus tokenizer.
+
+A spec is one of:
+  * a local HF directory (single or sharded safetensors),
+  * a `.gguf` file (dequantised through transformers' `gguf_file=`),
+  * a hub id such as `HuggingFaceTB/SmolLM2-135M-Instruct`,
+  * the alias `smollm2-135m`, the embedded default (see `default_model`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from mlxkit.engines.core.progress import Reporter
+from mlxkit.engines.errors import InputError, ModelLoadError, OfflineError
+from mlxkit.engines.models import default_model
+from mlxkit.engines.models.hub import hub_offline_by_env, hub_reachable
+
+SpecKind = Literal["directory", "gguf", "hub", "alias"]
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a spec points. `path` is a local directory or a `.gguf` file; hub specs have none."""
+
+    spec: str
+    kind: SpecKind
+    path: Path | None = None
+    hub_id: str | None = None
+
+    @property
+    def load_args(self) -> tuple[str, dict[str, Any]]:
+        """The `(name_or_path, kwargs)` pair for transformers' `from_pretrained`."""
+        if self.kind == "gguf":
+            assert self.path is not None
+            return str(self.path.parent), {"gguf_file": self.path.name}
+        if self.kind == "hub":
+            assert self.hub_id is not None
+            return self.hub_id, {}
+        return str(self.path), {}
+
+
+@dataclass
+class LoadedModel:
+    model: Any
+    tokenizer: Any
+    source: ModelSource
+
+
+def resolve_spec(spec: str, reporter: Reporter | None = None) -> ModelSource:
+    """Turn a user's model spec into a `ModelSource`, fetching the default alias if needed."""
+    reporter = reporter or Reporter()
+    if spec.lower() in default_model.ALIASES:
+        return ModelSource(spec, "alias", path=default_model.ensure_default_model(reporter))
+    path = Path(spec).expanduser()
+    if path.exists():
+        if path.is_file() and path.suffix == ".gguf":
+            return ModelSource(spec, "gguf", path=path.resolve())
+        if path.is_file() and path.name == "config.json":
+            return ModelSource(spec, "directory", path=path.parent.resolve())
+        if path.is_dir():
+            if not (path / "config.json").exists():
+                raise ModelLoadError(f"model directory '{spec}' has no config.json")
+            return ModelSource(spec, "directory", path=path.resolve())
+        raise InputError(f"model spec '{spec}' is a file but neither a .gguf nor a config.json")
+    if _HUB_ID.match(spec) and not spec.startswith((".", "/")):
+        return ModelSource(spec, "hub", hub_id=spec)
+    raise InputError(f"model spec '{spec}' is not a local path, a .gguf file, a hub id or a known alias "
+                     f"({', '.join(sorted(default_model.ALIASES))})")
+
+
+def _check_hub(source: ModelSource) -> None:
+    if source.kind != "hub":
+        return
+    if hub_offline_by_env():
+        raise OfflineError(f"model '{source.spec}' is a hub id, but HF_HUB_OFFLINE is set; "
+                           "pass a local directory or .gguf file instead")
+    if not hub_reachable():
+        raise OfflineError(f"model '{source.spec}' is a hub id, but the Hugging Face hub cannot be reached; "
+                           "pass a local directory or .gguf file instead")
+
+
+def _check_weights_format(source: ModelSource, allow_pickle: bool) -> None:
+    if source.kind != "directory" or allow_pickle:
+        return
+    assert source.path is not None
+    files = [p.name for p in source.path.iterdir()]
+    if any(name.endswith(".safetensors") for name in files):
+        return
+    if any(name.endswith(_PICKLE_SUFFIXES) for name in files):
+        raise ModelLoadError(f"model '{source.spec}' has only pickle weights, which can run arbitrary code; "
+                             "convert it to safetensors or pass --allow-pickle if you trust it")
+    raise ModelLoadError(f"model directory '{source.spec}' has no weight files")
+
+
+def load_config(spec: str, *, trust_remote_code: bool = False, reporter: Reporter | None = None):
+    """Load only a model's config: from a config.json, a directory, a hub id or a .gguf file."""
+    from transformers import AutoConfig
+
+    import mlxkit  # noqa: F401  (registers mlxkit's own config classes)
+
+    source = resolve_spec(spec, reporter)
+    _check_hub(source)
+    name, kwargs = source.load_args
+    try:
+        return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code, **kwargs)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"could not read the config of '{spec}': {_first_line(exc)}") from exc
+
+
+def load_tokenizer(source: ModelSource, *, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    name, kwargs = source.load_args
+    try:
+        return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code, **kwargs)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ModelLoadError(f"could not load the tokenizer of '{source.spec}': {_first_line(exc)}") from exc
+
+
+def load_model(spec: str | ModelSource, *, dtype: str = "float32", allow_pickle: bool = False,
+               trust_remote_code: bool = False, with_tokenizer: bool = True,
+               reporter: Reporter | None = None) -> LoadedModel:
+    """Load a causal LM (in `dtype`, float32 by default) and its tokenizer, in eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import mlxkit  # noqa: F401  (registers mlxkit's own model classes)
+
+    source = spec if isinstance(spec, ModelSource) else resolve_spec(spec, reporter)
+    _check_hub(source)
+    _check_weights_format(source, allow_pickle)
+    name, kwargs = source.load_args
+    if source.kind in ("directory", "alias", "hub") and not allow_pickle:
+        kwargs["use_safetensors"] = True
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=getattr(torch, dtype),
+                                                     trust_remote_code=trust_remote_code, **kwargs)
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise ModelLoadError(f"could not load model '{source.spec}': {_first_line(exc)}") from exc
+    model.eval()
+    forget_gguf_quantization(model)
+    tokenizer = load_tokenizer(source, trust_remote_code=trust_remote_code) if with_tokenizer else None
+    return LoadedModel(model, tokenizer, source)
+
+
+def forget_gguf_quantization(model) -> None:
+    """A dequantised GGUF is a plain float model: drop the quantiser so it saves like one."""
+    quant = getattr(model.config, "quantization_config", None)
+    if quant is not None and dict(quant).get("quant_method") == "gguf":
+        del model.config.quantization_config
+        model.hf_quantizer = None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0][:300]
+
+
+def describe_source(source: ModelSource) -> str:
+    return {"alias": f"{source.spec} (cached at {source.path})", "gguf": f"{source.path} (GGUF, dequantised)",
+            "hub": f"{source.hub_id} (hub)", "directory": str(source.path)}[source.kind]
+
+
+def source_path(source: ModelSource) -> os.PathLike | None:
+    return source.path

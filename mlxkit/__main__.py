@@ -1,0 +1,3 @@
+from mlxkit.cli.main import main
+
+main()
