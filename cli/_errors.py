@@ -20,7 +20,7 @@ _FOREIGN_INPUT_ERRORS: tuple[type[BaseException], ...] = (FileNotFoundError, IsA
 
 def fail(message: str, code: int = 2) -> typer.Exit:
     """Print one error line and return the Exit to raise (flag conflicts and the like)."""
-    _stderr.print(f"[bold red]error:[/bold red] {message}", highlight=False)
+    _stderr.print(f"[bold red]error:[/bold red] {message}", highlight=False, soft_wrap=True)
     return typer.Exit(code)
 
 

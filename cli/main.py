@@ -30,6 +30,16 @@ def _root(
                                                     help="Print the version and exit.")] = None,
 ) -> None:
     """mlxkit: compress and deploy language models."""
+    _quiet_third_party_output()
+
+
+def _quiet_third_party_output() -> None:
+    """mlx draws its own progress; silence the per-library bars and info logs of transformers/hub."""
+    import os
+
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 
 def _register() -> None:

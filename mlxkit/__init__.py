@@ -5,6 +5,9 @@ child, `model_type="mlx_decilm"`) with transformers' Auto classes, so a saved ch
 with a plain `AutoModelForCausalLM.from_pretrained(path)`.
 """
 
+import os as _os
+import sys as _sys
+
 __version__ = "0.1.0"
 
 
@@ -15,7 +18,7 @@ def register_auto_classes() -> None:
     register()
 
 
-try:
+# The `mlx` command registers on its first model load instead (engines/models/loading.py):
+# importing torch and transformers up front would make `mlx --help` take seconds.
+if _os.path.basename(_sys.argv[0] if _sys.argv else "") not in ("mlx", "mlx.exe"):
     register_auto_classes()
-except ImportError:  # the heterogeneous model lands with Puzzle I; keep the package importable
-    pass

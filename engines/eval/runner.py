@@ -17,13 +17,14 @@ def run_eval(model: str, *, data: str | os.PathLike | None, reference: str | Non
     reporter = reporter or Reporter()
     if max_tokens < seq_len:
         raise InputError(f"--max-tokens ({max_tokens}) must be at least --seq-len ({seq_len})")
+    texts = read_texts(data, text_field) if data is not None else None  # fail on bad data before loading
     loaded = load_model(model, allow_pickle=allow_pickle, reporter=reporter)
     ref = load_model(reference, allow_pickle=allow_pickle, with_tokenizer=False, reporter=reporter) if reference else None
     if ref is not None and ref.model.config.vocab_size != loaded.model.config.vocab_size:
         raise InputError(f"'{model}' and reference '{reference}' have different vocabularies "
                          f"({loaded.model.config.vocab_size} vs {ref.model.config.vocab_size})")
-    if data is not None:
-        ids = tokenize(loaded.tokenizer, read_texts(data, text_field), max_tokens)
+    if texts is not None:
+        ids = tokenize(loaded.tokenizer, texts, max_tokens)
         blocks = pack(ids, seq_len)
         description = str(data)
     else:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from mlxkit import register_auto_classes
 from mlxkit.engines.core.progress import Reporter
 from mlxkit.engines.errors import InputError, ModelLoadError, OfflineError
 from mlxkit.engines.models import default_model
@@ -103,7 +104,7 @@ def load_config(spec: str, *, trust_remote_code: bool = False, reporter: Reporte
     """Load only a model's config: from a config.json, a directory, a hub id or a .gguf file."""
     from transformers import AutoConfig
 
-    import mlxkit  # noqa: F401  (registers mlxkit's own config classes)
+    register_auto_classes()
 
     source = resolve_spec(spec, reporter)
     _check_hub(source)
@@ -131,7 +132,7 @@ def load_model(spec: str | ModelSource, *, dtype: str = "float32", allow_pickle:
     import torch
     from transformers import AutoModelForCausalLM
 
-    import mlxkit  # noqa: F401  (registers mlxkit's own model classes)
+    register_auto_classes()
 
     source = spec if isinstance(spec, ModelSource) else resolve_spec(spec, reporter)
     _check_hub(source)

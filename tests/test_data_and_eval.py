@@ -1,0 +1,104 @@
+"""Text in, and `mlx eval` against an independent transformers computation."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from conftest import make_char_tokenizer
+from mlxkit.cli.main import app
+from mlxkit.engines.data.text import load_blocks, pack, read_texts, split, tokenize
+from mlxkit.engines.errors import InputError
+from mlxkit.engines.eval.language_model import evaluate
+from mlxkit.engines.models.loading import load_model
+
+runner = CliRunner()
+
+
+def test_read_txt_jsonl_and_directory(tmp_path):
+    (tmp_path / "a.txt").write_text("alpha")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "1.txt").write_text("one")
+    (tmp_path / "d" / "2.txt").write_text("two")
+    (tmp_path / "r.jsonl").write_text('{"body": "x y"}\n\n{"body": "z"}\n')
+    assert read_texts(tmp_path / "a.txt") == ["alpha"]
+    assert read_texts(tmp_path / "d") == ["one", "two"]
+    assert read_texts(tmp_path / "r.jsonl", text_field="body") == ["x y", "z"]
+    with pytest.raises(InputError, match="no field 'text'"):
+        read_texts(tmp_path / "r.jsonl")
+    with pytest.raises(InputError, match="does not exist"):
+        read_texts(tmp_path / "missing.txt")
+    (tmp_path / "bad.jsonl").write_text("{not json}\n")
+    with pytest.raises(InputError, match="bad.jsonl:1"):
+        read_texts(tmp_path / "bad.jsonl")
+
+
+def test_tokenize_pack_split_are_deterministic(text_file):
+    tokenizer = make_char_tokenizer()
+    ids = tokenize(tokenizer, read_texts(text_file), max_tokens=1000)
+    assert ids.numel() == 1000
+    assert tokenizer.decode(ids[:50]) == read_texts(text_file)[0][:50]
+    blocks = pack(ids, 64)
+    assert blocks.shape == (15, 64)
+    train_a, val_a = split(blocks, 0.2, seed=3)
+    train_b, val_b = split(blocks, 0.2, seed=3)
+    assert torch.equal(val_a, val_b) and torch.equal(train_a, train_b)
+    assert val_a.shape[0] == 3 and train_a.shape[0] == 12
+    _, val_c = split(blocks, 0.2, seed=4)
+    assert not torch.equal(val_a, val_c)
+    data = load_blocks(text_file, tokenizer, seq_len=64, max_tokens=1000, val_fraction=0.2, seed=3)
+    assert torch.equal(data.val, val_a)
+
+
+def test_eval_matches_transformers_loss(tiny_llama_dir, text_file):
+    loaded = load_model(str(tiny_llama_dir))
+    blocks = pack(tokenize(loaded.tokenizer, read_texts(text_file), max_tokens=512), 64)
+    result = evaluate(loaded.model, blocks)
+    with torch.no_grad():  # independent computation: transformers' own shifted cross-entropy
+        losses = [loaded.model(input_ids=row[None], labels=row[None]).loss.item() for row in blocks]
+    assert result.tokens == blocks.shape[0] * 63
+    assert result.perplexity == pytest.approx(math.exp(sum(losses) / len(losses)), rel=1e-5)
+
+
+def test_eval_against_itself_has_zero_kl_and_full_agreement(tiny_llama_dir, text_file):
+    loaded = load_model(str(tiny_llama_dir))
+    blocks = pack(tokenize(loaded.tokenizer, read_texts(text_file), max_tokens=256), 64)
+    result = evaluate(loaded.model, blocks, reference=loaded.model)
+    assert result.kl == pytest.approx(0.0, abs=1e-6)
+    assert result.top1_agreement == 1.0
+
+
+def test_cli_eval_json_with_reference(tiny_llama_dir, text_file, tmp_path):
+    other = tmp_path / "other"
+    from conftest import make_tiny_llama
+
+    make_tiny_llama(seed=1).save_pretrained(other)
+    result = runner.invoke(app, ["eval", str(tiny_llama_dir), "--data", str(text_file), "--reference", str(other),
+                                 "--max-tokens", "256", "--seq-len", "64", "--json"])
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    assert {"perplexity", "tokens", "tokens_per_s", "kl", "top1_agreement"} <= payload.keys()
+    assert payload["tokens"] == 4 * 63 and payload["kl"] > 0
+
+
+def test_cli_eval_bad_inputs_fail_cleanly(tiny_llama_dir, tmp_path):
+    missing = runner.invoke(app, ["eval", str(tiny_llama_dir), "--data", str(tmp_path / "nope.txt")])
+    assert missing.exit_code != 0 and "does not exist" in missing.output and "Traceback" not in missing.output
+    bad_model = runner.invoke(app, ["eval", str(tmp_path / "no-model"), "--data", str(tmp_path)])
+    assert bad_model.exit_code != 0 and "Traceback" not in bad_model.output
+    short = tmp_path / "short.txt"
+    short.write_text("hi")
+    too_short = runner.invoke(app, ["eval", str(tiny_llama_dir), "--data", str(short), "--seq-len", "64",
+                                    "--max-tokens", "64"])
+    assert too_short.exit_code != 0 and "fewer than one sequence" in too_short.output
+
+
+def test_cli_help_lists_verbs_and_version():
+    result = runner.invoke(app, ["--help"])
+    assert result.exit_code == 0 and "eval" in result.output
+    version = runner.invoke(app, ["--version"])
+    assert version.exit_code == 0 and "mlxkit" in version.output
