@@ -1,0 +1,67 @@
+"""Merge fine-tuned models: isotropic merging (Iso-C, Iso-CTS) and the standard baselines.
+
+Examples: `mlx merge --isotropic ft-a ft-b ft-c --base base -o merged`,
+`mlx merge --method ties a b --base base --param density=0.3 -o out`, `mlx merge --recipe merge.yaml -o out`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from mlxkit.cli._errors import guarded
+from mlxkit.cli._options import (JsonOpt, OverwriteOpt, QuietOpt, RecipeOpt, VerboseOpt, console, emit_json,
+                                 make_reporter)
+
+Opt = typer.Option
+
+
+@guarded
+def merge_command(
+    models: Annotated[Optional[list[str]], typer.Argument(help="Fine-tuned models: HF dirs, hub ids or LoRA adapter dirs.")] = None,
+    base: Annotated[Optional[str], Opt("--base", help="Base model (inferred from adapters / model cards if omitted).")] = None,
+    output: Annotated[Optional[Path], Opt("--output", "-o", help="Output directory.")] = None,
+    method: Annotated[Optional[str], Opt("--method", help="iso-c|iso-cts|task-arithmetic|ties|dare-ties|dare-linear|linear|slerp")] = None,
+    isotropic: Annotated[bool, Opt("--isotropic", help="Iso-CTS, the paper's best (same as --method iso-cts).")] = False,
+    recipe: RecipeOpt = None,
+    alpha: Annotated[Optional[str], Opt("--alpha", help="Scale of the merged task vector: a number or 'auto'.")] = None,
+    eval_data: Annotated[Optional[list[str]], Opt("--eval-data", help="Validation text per model (for --alpha auto), in model order.")] = None,
+    common_frac: Annotated[Optional[float], Opt("--common-frac", help="Iso-CTS common-subspace fraction (default 0.8).")] = None,
+    param: Annotated[Optional[list[str]], Opt("--param", help="Method parameter key=value (repeatable), e.g. density=0.3.")] = None,
+    average_embeddings: Annotated[Optional[bool], Opt("--average-embeddings/--matrix-embeddings", help="Average embeddings and LM head (default) or treat them as matrices.")] = None,
+    dtype: Annotated[Optional[str], Opt("--dtype", help="Output dtype (default: the inputs').")] = None,
+    max_shard_size: Annotated[Optional[str], Opt("--max-shard-size", help="Largest output shard, e.g. 2GB (default 5GB).")] = None,
+    device: Annotated[str, Opt("--device", help="Compute device: auto, cpu, cuda.")] = "auto",
+    seed: Annotated[Optional[int], Opt("--seed", help="Seed for DARE and randomized SVDs.")] = None,
+    dry_run: Annotated[bool, Opt("--dry-run", help="Print the per-tensor plan; read no weights.")] = False,
+    overwrite: OverwriteOpt = False,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    from mlxkit.engines.merge.config import config_from_options
+    from mlxkit.engines.merge.run import run_merge
+
+    config = config_from_options(models=models or [], recipe=recipe, base=base, method=method, isotropic=isotropic,
+                                 alpha=alpha, eval_data=eval_data or [], common_frac=common_frac, params=param or [],
+                                 average_embeddings=average_embeddings, dtype=dtype, max_shard_size=max_shard_size,
+                                 seed=seed)
+    result = run_merge(config, output, overwrite=overwrite, dry_run=dry_run, device=device,
+                       reporter=make_reporter(json_out, quiet, verbose))
+    if json_out:
+        emit_json(result)
+    elif dry_run:
+        for line in result["plan"]:
+            console.print(line, highlight=False, soft_wrap=True)
+        console.print(f"{result['tensors']} tensors ({result['matrices']} as matrices), method {result['method']}, "
+                      f"peak ≈ {result['estimated_peak_bytes'] / 2**20:.0f} MiB", highlight=False)
+    elif not quiet:
+        table = Table(title=f"mlx merge ({result['method']})", show_header=False)
+        for key in ("output", "base", "alpha", "tensors", "shards", "wall_time_s"):
+            table.add_row(key, str(result.get(key)))
+        for point in result.get("alpha_curve", []):
+            table.add_row(f"α={point['alpha']:g}", f"mean loss {point['mean_loss']:.4f}")
+        console.print(table)

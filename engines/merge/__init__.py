@@ -1,0 +1,7 @@
+"""`mlx merge`: isotropic merging (Iso-C, Iso-CTS) and the standard baselines, streamed per tensor.
+
+Layout (mergekit's plan/executor split): `config.py` validates the recipe, `sources.py` resolves
+inputs (checkpoints, hub ids, LoRA adapters), `plan.py` lists one task per tensor from headers
+only, `executor.py` streams the tensors through a method from `methods/registry.py`, and
+`run.py` writes the result atomically. `linalg.py` holds the spectral kernels.
+"""

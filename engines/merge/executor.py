@@ -1,0 +1,71 @@
+"""Execute a merge plan tensor by tensor.
+
+For each task: read the base tensor and each input's tensor (or LoRA factors), combine them on
+the compute device, and hand the result on. At any time memory holds the T input tensors, the
+base, the result and the method's workspace for one tensor name: (T + 2) × the largest tensor
+plus workspace, never a whole model.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional
+
+import torch
+
+from mlxkit.engines.core.progress import Reporter
+from mlxkit.engines.errors import BackendError, InputError
+from mlxkit.engines.io.tensor_writer import TensorWriter
+from mlxkit.engines.merge.methods.base import MergeMethod, TensorJob
+from mlxkit.engines.merge.plan import MergePlan, TensorTask
+from mlxkit.engines.merge.sources import MergeInput
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise InputError(f"unknown device '{device}' (use auto, cpu, cuda or cuda:N)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise BackendError(f"device '{device}' was asked for, but torch sees no CUDA device")
+    return dev
+
+
+def combine(plan: MergePlan, method: MergeMethod, inputs: list[MergeInput], base: Optional[MergeInput],
+            device: torch.device, reporter: Reporter
+            ) -> Iterator[tuple[TensorTask, Optional[torch.Tensor], torch.Tensor]]:
+    """Yield (task, base tensor in float32 or None, result). The result is the combined delta M
+    for task-vector methods, the merged weight otherwise, and the stored tensor for copies."""
+    reference = base if base is not None else inputs[0]
+    for task in reporter.track(plan.tasks, f"merging ({plan.method})"):
+        if task.action == "copy":
+            yield task, None, reference.loader.get_tensor(task.name)
+            continue
+        base_t = base.loader.get_tensor(task.name).float() if base is not None else None
+        if method.uses_deltas:
+            tensors = [inp.delta(task.name, base_t) for inp in inputs]
+        else:
+            tensors = [inp.weight(task.name, base_t) for inp in inputs]
+        tensors = [t.to(device) for t in tensors]
+        job = TensorJob(task.name, task.matrix, dict(task.params), [dict(p) for p in task.model_params], task.seed)
+        result = method.merge(tensors, job).to("cpu", torch.float32)
+        del tensors
+        if not torch.isfinite(result).all():
+            raise BackendError(f"merging '{task.name}' with {method.name} produced NaN or infinite values")
+        yield task, base_t, result
+
+
+def apply_alpha(task: TensorTask, base_t: Optional[torch.Tensor], result: torch.Tensor, alpha: float,
+                uses_deltas: bool) -> torch.Tensor:
+    """θ_base + α·M (task-vector methods) or the merged weight, in the task's output dtype."""
+    if task.action == "copy":
+        return result
+    merged = base_t + alpha * result if (uses_deltas and base_t is not None) else result
+    return merged.to(getattr(torch, task.out_dtype))
+
+
+def write_merged(plan: MergePlan, method: MergeMethod, inputs: list[MergeInput], base: Optional[MergeInput],
+                 writer: TensorWriter, alpha: float, device: torch.device, reporter: Reporter) -> None:
+    for task, base_t, result in combine(plan, method, inputs, base, device, reporter):
+        writer.save(task.name, apply_alpha(task, base_t, result, alpha, plan.uses_deltas))

@@ -1,0 +1,1 @@
+"""Merge methods, one per module, listed in `registry.METHODS`."""

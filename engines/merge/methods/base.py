@@ -1,0 +1,71 @@
+"""The contract every merge method follows (mergekit's MergeMethod, reduced to what we need).
+
+A method combines one tensor at a time. Task-vector methods (`uses_deltas = True`) receive
+the task vectors Δ_t = θ_t − θ_base in float32 and return the combined delta M; the executor
+writes θ_base + α·M. Weight-space methods (linear, slerp) receive the models' own weights and
+return the merged weight. Methods never read files and never see more than one tensor name.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+
+@dataclass(frozen=True)
+class ParamDef:
+    """A parameter a method accepts. `per_model` ones may differ between input models."""
+
+    name: str
+    default: Any
+    help: str
+    per_model: bool = False
+
+
+@dataclass
+class TensorJob:
+    """Everything a method needs to know about the tensor it is merging."""
+
+    name: str
+    matrix: bool                      # 2-D and not excluded: spectral methods may treat it as a matrix
+    params: dict[str, Any]            # global parameters, already resolved for this tensor
+    model_params: list[dict[str, Any]] = field(default_factory=list)  # one dict per input model
+    seed: int = 0                     # per-tensor seed for random methods (stable across runs)
+
+
+class MergeMethod(ABC):
+    name: ClassVar[str]
+    uses_deltas: ClassVar[bool] = True   # False: inputs are weights and the output is a weight
+    needs_base: ClassVar[bool] = True
+    min_models: ClassVar[int] = 1
+    max_models: ClassVar[int | None] = None
+    reference: ClassVar[str] = ""
+
+    def parameters(self) -> list[ParamDef]:
+        return []
+
+    def model_parameters(self) -> list[ParamDef]:
+        return [ParamDef("weight", 1.0, "relative weight of this model", per_model=True)]
+
+    def all_parameters(self) -> dict[str, ParamDef]:
+        return {p.name: p for p in [*self.parameters(), *self.model_parameters()]}
+
+    @abstractmethod
+    def merge(self, tensors: list[torch.Tensor], job: TensorJob) -> torch.Tensor:
+        """Combine one tensor across the input models (deltas or weights, float32)."""
+
+
+def weights_of(job: TensorJob, like: torch.Tensor) -> torch.Tensor:
+    """Per-model weights shaped to broadcast against a stacked [T, ...] tensor."""
+    w = torch.tensor([float(p.get("weight", 1.0)) for p in job.model_params], dtype=like.dtype, device=like.device)
+    return w.view(-1, *([1] * like.dim()))
+
+
+def tensor_generator(job: TensorJob, model_index: int, device: torch.device) -> torch.Generator:
+    """A generator seeded by (run seed, tensor, model): results do not depend on tensor order."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed((job.seed * 1_000_003 + model_index * 7919) % (2**63 - 1))
+    return gen

@@ -1,0 +1,55 @@
+"""DARE (Yu et al., ICML 2024): drop each delta entry with probability p, rescale survivors by
+1/(1−p), then combine with TIES' sign consensus (`dare-ties`) or a weighted sum (`dare-linear`).
+Seeded per tensor and model, so a rerun gives the same bits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mlxkit.engines.merge.methods.base import MergeMethod, ParamDef, TensorJob, tensor_generator, weights_of
+from mlxkit.engines.merge.methods.ties import sign_consensus_mean
+
+
+def drop_and_rescale(delta: torch.Tensor, drop_rate: float, rescale: bool, gen: torch.Generator) -> torch.Tensor:
+    if drop_rate <= 0.0:
+        return delta
+    if drop_rate >= 1.0:
+        return torch.zeros_like(delta)
+    keep = torch.rand(delta.shape, generator=gen, device=delta.device) >= drop_rate
+    out = delta * keep
+    return out / (1.0 - drop_rate) if rescale else out
+
+
+class Dare(MergeMethod):
+    """One class, two registered instances: consensus on (dare-ties) or off (dare-linear)."""
+
+    name = "dare"
+    reference = "https://arxiv.org/abs/2311.03099"
+
+    def __init__(self, name: str, consensus: bool) -> None:
+        self.name = name  # type: ignore[misc]
+        self.consensus = consensus
+
+    def parameters(self) -> list[ParamDef]:
+        return [ParamDef("rescale", True, "rescale survivors by 1/(1-drop_rate)"),
+                ParamDef("normalize", self.consensus, "divide by the (agreeing) weights")]
+
+    def model_parameters(self) -> list[ParamDef]:
+        return [ParamDef("weight", 1.0, "relative weight of this model", per_model=True),
+                ParamDef("drop_rate", 0.9, "probability of dropping each delta entry", per_model=True)]
+
+    def merge(self, tensors: list[torch.Tensor], job: TensorJob) -> torch.Tensor:
+        rescale = bool(job.params.get("rescale", True))
+        dropped = torch.stack([
+            drop_and_rescale(d, float(p.get("drop_rate", 0.9)), rescale, tensor_generator(job, i, d.device))
+            for i, (d, p) in enumerate(zip(tensors, job.model_params))])
+        w = weights_of(job, tensors[0])
+        normalize = bool(job.params.get("normalize", self.consensus))
+        if self.consensus:
+            return sign_consensus_mean(dropped * w, w.expand_as(dropped), normalize)
+        out = (dropped * w).sum(0)
+        if normalize:
+            total = float(w.sum())
+            out = out / (total if abs(total) > 1e-8 else 1.0)
+        return out

@@ -1,0 +1,139 @@
+"""`run_merge`: validate → resolve inputs → plan → execute → write, atomically.
+
+The output directory appears only when everything (weights, index, config, tokenizer,
+manifest) is written; any failure leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from mlxkit.engines.core.atomic import atomic_output_dir
+from mlxkit.engines.core.manifest import Manifest
+from mlxkit.engines.core.progress import Reporter
+from mlxkit.engines.errors import InputError
+from mlxkit.engines.io.tensor_writer import TensorWriter, parse_size
+from mlxkit.engines.merge.config import MergeConfig
+from mlxkit.engines.merge.executor import combine, resolve_device, write_merged
+from mlxkit.engines.merge.methods import registry
+from mlxkit.engines.merge.plan import MergePlan, plan_merge
+from mlxkit.engines.merge.sources import MergeInput, infer_base, resolve_input
+
+# Files copied verbatim from the base (or first) model next to the merged weights.
+_TAG_ALONG = ["generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+              "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
+              "chat_template.json"]
+
+
+def prepare(config: MergeConfig, reporter: Reporter) -> tuple[MergePlan, list[MergeInput], Optional[MergeInput]]:
+    """Resolve every input and build the plan; reads headers only."""
+    method = registry.get(config.merge_method)
+    inputs = [resolve_input(entry.model, reporter) for entry in config.models]
+    base_spec = config.base_model
+    if base_spec is None and (method.needs_base or any(i.kind == "lora" for i in inputs)):
+        base_spec = infer_base(inputs)
+        if base_spec is not None:
+            reporter.notice(f"base model inferred from the inputs: {base_spec}")
+    base = resolve_input(base_spec, reporter) if base_spec else None
+    return plan_merge(config, inputs, base), inputs, base
+
+
+def run_merge(config: MergeConfig, out: Optional[str | Path], *, overwrite: bool = False, dry_run: bool = False,
+              device: str = "auto", reporter: Optional[Reporter] = None) -> dict[str, Any]:
+    reporter = reporter or Reporter()
+    started = time.perf_counter()
+    method = registry.get(config.merge_method)
+    plan, inputs, base = prepare(config, reporter)
+    if dry_run:
+        return {"dry_run": True, **plan.summary(), "plan": [t.describe() for t in plan.tasks]}
+    if out is None:
+        raise InputError("pass an output directory (-o OUT)")
+    max_shard = parse_size(config.max_shard_size)
+    dev = resolve_device(device)
+    reporter.notice(f"{plan.method}: {len(inputs)} models, {len(plan.tasks)} tensors "
+                    f"({sum(t.matrix for t in plan.tasks)} as matrices), device {dev}")
+    manifest = Manifest(verb="merge")
+    if base is not None:
+        manifest.add_input("base", base.spec, base.path)
+    for i, inp in enumerate(inputs):
+        manifest.add_input(f"model_{i}", inp.spec, inp.path)
+    manifest.seeds["merge"] = config.seed
+    manifest.settings = config.model_dump(mode="json")
+    result: dict[str, Any] = {"method": plan.method, "models": plan.models, "base": plan.base}
+    try:
+        with atomic_output_dir(out, overwrite=overwrite) as tmp:
+            if config.alpha == "auto":
+                alpha, curve = _auto_alpha(config, plan, method, inputs, base, tmp, dev, reporter)
+                result["alpha_curve"] = curve
+            else:
+                alpha = float(config.alpha)
+                writer = TensorWriter(tmp, max_shard)
+                write_merged(plan, method, inputs, base, writer, alpha, dev, reporter)
+                index = writer.finalize()
+            if config.alpha == "auto":
+                index = json.loads((tmp / "model.safetensors.index.json").read_text())
+            _copy_side_files(base or inputs[0], tmp, plan)
+            (tmp / "merge.yaml").write_text(config.to_yaml())
+            shards = sorted(set(index["weight_map"].values()))
+            result.update({"alpha": alpha, "tensors": len(plan.tasks), "shards": len(shards),
+                           "total_bytes": index["metadata"]["total_size"],
+                           "wall_time_s": round(time.perf_counter() - started, 3)})
+            manifest.results = dict(result)
+            manifest.write(tmp)
+    finally:
+        for inp in [*inputs, *([base] if base else [])]:
+            inp.close()
+    result["output"] = str(Path(out).expanduser().resolve())
+    return result
+
+
+def _auto_alpha(config: MergeConfig, plan: MergePlan, method, inputs, base, tmp: Path, dev, reporter):
+    """Store M once (float32), sweep α on the base + α·M, then write the chosen merge."""
+    from mlxkit.engines.io.lazy_loader import LazyTensorLoader
+    from mlxkit.engines.merge.alpha import sweep_alpha
+    from mlxkit.engines.merge.executor import apply_alpha
+
+    scratch = tmp / ".alpha-sweep"
+    deltas = TensorWriter(scratch / "delta", parse_size("1GB"))
+    for task, _, result in combine(plan, method, inputs, base, dev, reporter):
+        if task.action == "merge":
+            deltas.save(task.name, result)
+    deltas.finalize()
+    # a loadable copy of the base for evaluation: its weights plus config and tokenizer
+    alpha, curve = sweep_alpha(Path(base.path), scratch / "delta", config.eval_data, grid=config.alpha_grid,
+                               seq_len=config.eval_seq_len, max_tokens=config.eval_tokens, seed=config.seed,
+                               reporter=reporter)
+    reporter.notice(f"alpha = {alpha:g} (lowest mean validation loss)")
+    writer = TensorWriter(tmp, parse_size(config.max_shard_size))
+    with LazyTensorLoader.from_path(scratch / "delta") as stored:
+        for task in reporter.track(plan.tasks, "writing"):
+            if task.action == "copy":
+                writer.save(task.name, (base or inputs[0]).loader.get_tensor(task.name))
+                continue
+            base_t = base.loader.get_tensor(task.name).float()
+            writer.save(task.name, apply_alpha(task, base_t, stored.get_tensor(task.name), alpha, True))
+    writer.finalize()
+    shutil.rmtree(scratch)
+    return alpha, curve
+
+
+def _copy_side_files(source: MergeInput, tmp: Path, plan: MergePlan) -> None:
+    """config.json (dtype updated) and tokenizer files from the base, else the first model."""
+    src = Path(source.path)
+    cfg_path = src / "config.json"
+    if cfg_path.exists():
+        cfg = json.loads(cfg_path.read_text())
+        dtypes = {t.out_dtype for t in plan.tasks if t.action == "merge"}
+        if len(dtypes) == 1:
+            dtype = dtypes.pop()
+            for key in ("torch_dtype", "dtype"):
+                if key in cfg or key == "dtype":
+                    cfg[key] = dtype
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    for name in _TAG_ALONG:
+        if (src / name).exists():
+            shutil.copy2(src / name, tmp / name)
