@@ -43,11 +43,15 @@ def _quiet_third_party_output() -> None:
 
 
 def _register() -> None:
+    from mlxkit.cli import distill
     from mlxkit.cli import eval as eval_cmd
     from mlxkit.cli import fetch
+    from mlxkit.cli import merge
 
+    app.command("distill", help=distill.__doc__)(distill.distill_command)
     app.command("eval", help=eval_cmd.__doc__)(eval_cmd.eval_command)
     app.command("fetch", help=fetch.__doc__)(fetch.fetch_command)
+    app.command("merge", help=merge.__doc__)(merge.merge_command)
 
 
 _register()
