@@ -70,3 +70,16 @@ def make_lora(path: Path, base: Path, seed: int, r: int = 4, alpha: float = 8.0,
         "peft_type": "LORA", "r": r, "lora_alpha": alpha, "target_modules": list(targets),
         "base_model_name_or_path": str(base), "fan_in_fan_out": False}))
     return deltas
+
+
+def add_char_tokenizer(path: Path) -> Path:
+    """A 97-token character-level tokenizer (fits the tiny vocab of 128), saved into `path`."""
+    import tokenizers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, **{chr(c): i + 1 for i, c in enumerate(range(32, 127))}, "\n": 96}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern=tokenizers.Regex("."), behavior="isolated")
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(path)
+    return path
