@@ -1,0 +1,68 @@
+"""Blockwise local distillation: build, train and score a Puzzle block library."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from mlxkit.cli._errors import fail, guarded
+from mlxkit.cli._options import (AllowPickleOpt, DataOpt, JsonOpt, QuietOpt, RecipeOpt, SeedOpt, TextFieldOpt,
+                                 VerboseOpt, console, emit_json, make_reporter)
+
+
+@guarded
+def distill_command(
+    out: Annotated[Path, typer.Option("--out", "-o", help="Library directory (resumed if it holds an unfinished run).")],
+    bld: Annotated[bool, typer.Option("--bld", help="Blockwise local distillation of the block library.")] = False,
+    model: Annotated[str, typer.Option("--model", "-m", help="Parent model.")] = "smollm2-135m",
+    data: DataOpt = None,
+    recipe: RecipeOpt = "quick",
+    score_only: Annotated[bool, typer.Option("--score-only", help="Only (re)score an existing library.")] = False,
+    no_score: Annotated[bool, typer.Option("--no-score", help="Build the blocks but do not score them.")] = False,
+    init_only: Annotated[bool, typer.Option("--init-only", help="Initialise blocks without BLD training (ablation).")] = False,
+    text_field: TextFieldOpt = "text",
+    seed: SeedOpt = 0,
+    allow_pickle: AllowPickleOpt = False,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    from mlxkit.engines.puzzle.distill import DistillOptions, run_distill
+    from mlxkit.engines.puzzle.recipe import load_recipe
+
+    if not bld:
+        raise fail("choose a distillation mode: --bld (blockwise local distillation)")
+    if score_only and (no_score or init_only):
+        raise fail("--score-only cannot be combined with --no-score or --init-only")
+    options = DistillOptions(model=model, out=out, recipe=load_recipe(recipe or "quick"), data=data,
+                             text_field=text_field, seed=seed, train=not init_only, score=not no_score,
+                             score_only=score_only, allow_pickle=allow_pickle)
+    summary = run_distill(options, make_reporter(json_out, quiet, verbose))
+    if not summary:  # a non-zero rank of a distributed run: rank 0 reports
+        return
+    if json_out:
+        emit_json(summary)
+        return
+    if not quiet:
+        render_library_table(summary)
+    console.print(f"[green]library[/green] {summary['library']}  ({summary['subblocks_trained']} subblocks trained, "
+                  f"{summary['variants_scored']} variants scored, median KL "
+                  f"{_fmt(summary['median_kl_nontrivial'])}, {summary['wall_time_s']} s)")
+
+
+def render_library_table(summary: dict) -> None:
+    table = Table(title="replace-1-block KL(parent || child) per layer")
+    table.add_column("layer", justify="right")
+    table.add_column("attention")
+    table.add_column("ffn")
+    for row in summary["per_layer"]:
+        table.add_row(str(row["layer"]), *(" ".join(f"{name} {_fmt(kl)}" for name, kl in row[kind].items())
+                                          for kind in ("attention", "ffn")))
+    console.print(table)
+
+
+def _fmt(value) -> str:
+    return "-" if value is None else f"{value:.3g}"

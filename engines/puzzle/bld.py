@@ -1,0 +1,93 @@
+"""Blockwise local distillation: train one child subblock alone to imitate the parent's.
+
+Decoupled BLD (Puzzle, section 3): the subblock sees the parent's own residual-stream
+states and is fitted to what the parent subblock adds to them, under the normalised MSE
+||child - parent||^2 / ||parent||^2. No gradient crosses a block boundary, so every
+(layer, variant) trains independently and in any order.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from mlxkit.engines.puzzle.recipe import BLDSpec
+from mlxkit.engines.puzzle.subblocks import Subblock
+
+EPS = 1e-12
+MAX_CURVE_POINTS = 40
+
+
+def normalized_mse(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return (prediction - target).pow(2).sum() / (target.pow(2).sum() + EPS)
+
+
+@torch.no_grad()
+def held_out_nmse(block: Subblock, inputs: torch.Tensor, targets: torch.Tensor, pos) -> float:
+    return normalized_mse(block(inputs, pos), targets).item()
+
+
+@dataclass
+class TrainingRecord:
+    steps: int
+    tokens: int
+    val_nmse_before: float
+    val_nmse_after: float
+    curve: list[tuple[int, float]] = field(default_factory=list)
+    seconds: float = 0.0
+    reverted: bool = False
+
+    def to_dict(self) -> dict:
+        return {"steps": self.steps, "tokens": self.tokens, "val_nmse_init": self.val_nmse_before,
+                "val_nmse": self.val_nmse_after, "curve": self.curve, "seconds": round(self.seconds, 3),
+                "loss": "normalized_mse", "reverted_to_init": self.reverted}
+
+
+def train_subblock(block: Subblock, inputs: torch.Tensor, targets: torch.Tensor, val_inputs: torch.Tensor,
+                   val_targets: torch.Tensor, pos, spec: BLDSpec, seed: int) -> TrainingRecord:
+    """AdamW with cosine decay for `spec.tokens_per_block` tokens, over shuffled cached sequences.
+
+    Returns the training curve and the held-out normalised MSE before and after. If
+    training made the held-out error worse (tiny budgets can), the initial weights are
+    restored: a library block is never worse than its initialisation on held-out data.
+    """
+    import time
+
+    start = time.perf_counter()
+    before = held_out_nmse(block, val_inputs, val_targets, pos)
+    n, seq_len = inputs.shape[:2]
+    batch = min(spec.batch_sequences, n)
+    steps = spec.tokens_per_block // (batch * seq_len)
+    params = [p for p in block.parameters() if p.requires_grad]
+    if steps == 0 or not params:
+        return TrainingRecord(0, 0, before, before, seconds=time.perf_counter() - start)
+    initial = {k: v.clone() for k, v in block.state_dict().items()}
+    optimizer = torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay, betas=(0.9, 0.95))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: spec.min_lr_factor + (1 - spec.min_lr_factor) * 0.5 * (1 + math.cos(math.pi * s / steps)))
+    generator = torch.Generator().manual_seed(seed)
+    order = torch.empty(0, dtype=torch.long)
+    curve = []
+    every = max(1, steps // MAX_CURVE_POINTS)
+    block.train()
+    for step in range(steps):
+        if order.numel() < batch:
+            order = torch.cat([order, torch.randperm(n, generator=generator)])
+        index, order = order[:batch], order[batch:]
+        loss = normalized_mse(block(inputs[index], pos), targets[index])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        schedule.step()
+        if step % every == 0 or step == steps - 1:
+            curve.append((step, round(loss.item(), 6)))
+    block.eval()
+    after = held_out_nmse(block, val_inputs, val_targets, pos)
+    reverted = not after <= before
+    if reverted:
+        block.load_state_dict(initial)
+        after = before
+    return TrainingRecord(steps, steps * batch * seq_len, before, after, curve, time.perf_counter() - start, reverted)

@@ -1,0 +1,92 @@
+"""Puzzle recipes: the search space, data, BLD and scoring settings, validated."""
+
+from __future__ import annotations
+
+import os
+from importlib import resources
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from mlxkit.engines.errors import RecipeError
+
+RECIPE_PACKAGE = "mlxkit.recipes.puzzle"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SearchSpaceSpec(_Strict):
+    attention: list[Literal["parent", "kv_divisors", "linear", "no_op"]] = ["parent", "kv_divisors", "linear", "no_op"]
+    max_kv_options: int | None = None
+    ffn_fractions: list[float] = [1.0, 0.875, 0.75, 0.5, 0.25, 0.2, 0.1]
+    ffn_linear: bool = True
+    ffn_no_op: bool = True
+    width_multiple: int = Field(64, ge=1)
+
+    @field_validator("ffn_fractions")
+    @classmethod
+    def _fractions_in_range(cls, value: list[float]) -> list[float]:
+        if not value or any(not 0.0 < f <= 1.0 for f in value):
+            raise ValueError("ffn_fractions must be a non-empty list of numbers in (0, 1]")
+        return value
+
+
+class DataSpec(_Strict):
+    seq_len: int = Field(256, ge=8)
+    train_sequences: int = Field(48, ge=1)
+    score_sequences: int = Field(4, ge=1)
+
+
+class BLDSpec(_Strict):
+    tokens_per_block: int = Field(32768, ge=0)
+    batch_sequences: int = Field(4, ge=1)
+    lr: float = Field(1e-3, gt=0)
+    min_lr_factor: float = Field(0.1, ge=0, le=1)
+    weight_decay: float = Field(0.0, ge=0)
+    train_linear: bool = False
+
+
+class ScoringSpec(_Strict):
+    metric: Literal["kl_div", "lm_loss"] = "kl_div"
+
+
+class PuzzleRecipe(_Strict):
+    name: str
+    description: str = ""
+    search_space: SearchSpaceSpec = SearchSpaceSpec()
+    data: DataSpec = DataSpec()
+    bld: BLDSpec = BLDSpec()
+    scoring: ScoringSpec = ScoringSpec()
+
+
+def available_recipes() -> list[str]:
+    return sorted(p.name[:-5] for p in resources.files(RECIPE_PACKAGE).iterdir() if p.name.endswith(".yaml"))
+
+
+def load_recipe(name_or_path: str | os.PathLike) -> PuzzleRecipe:
+    """A packaged recipe by name (`quick`, `standard`) or a YAML file by path."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.exists():
+            raise RecipeError(f"recipe file '{path}' does not exist")
+        text = path.read_text()
+        origin = str(path)
+    else:
+        resource = resources.files(RECIPE_PACKAGE) / f"{name_or_path}.yaml"
+        if not resource.is_file():
+            raise RecipeError(f"unknown recipe '{name_or_path}' (available: {', '.join(available_recipes())}, "
+                              "or a path to a YAML file)")
+        text = resource.read_text()
+        origin = f"{name_or_path} (packaged)"
+    try:
+        raw = yaml.safe_load(text) or {}
+        return PuzzleRecipe.model_validate(raw)
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"recipe {origin} is not valid YAML: {exc}") from None
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+        raise RecipeError(f"recipe {origin} is invalid: {problems}") from None

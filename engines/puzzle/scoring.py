@@ -1,0 +1,58 @@
+"""Replace-1-block scoring: swap one subblock into the parent and compare next-token distributions.
+
+Scoring streams from the cached residual-stream state at the swapped layer, so only the
+layers from there on run. Metrics use the public NVlabs/puzzle names where they exist:
+`kl_div` (KL(parent || child), mean over held-out tokens) and `lm_loss`; we add
+`top1_agreement`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mlxkit.engines.puzzle.subblocks import Subblock
+
+
+class ParentTail:
+    """Runs the parent from any layer to the logits, over the held-out sequences."""
+
+    def __init__(self, parent_model, val_ids: torch.Tensor, final_state: torch.Tensor, pos):
+        self.model = parent_model
+        self.pos = pos
+        self.targets = val_ids[:, 1:]
+        self.parent_logp = self._log_probs(final_state)
+
+    def _log_probs(self, state: torch.Tensor) -> torch.Tensor:
+        return F.log_softmax(self.model.lm_head(self.model.model.norm(state)).float(), dim=-1)
+
+    def run_from(self, state: torch.Tensor, first_layer: int) -> torch.Tensor:
+        for layer in self.model.model.layers[first_layer:]:
+            state = layer(state, self.pos)
+        return self._log_probs(state)
+
+    def metrics(self, child_logp: torch.Tensor) -> dict[str, float]:
+        parent_logp = self.parent_logp
+        kl = (parent_logp.exp() * (parent_logp - child_logp)).sum(-1).mean()
+        lm_loss = -child_logp[:, :-1].gather(-1, self.targets.unsqueeze(-1)).mean()
+        agree = (child_logp.argmax(-1) == parent_logp.argmax(-1)).float().mean()
+        return {"kl_div": max(kl.item(), 0.0), "lm_loss": lm_loss.item(), "top1_agreement": agree.item()}
+
+
+@torch.inference_mode()
+def score_subblock(tail: ParentTail, block: Subblock, layer_idx: int, val_in: torch.Tensor,
+                   val_mid: torch.Tensor) -> dict[str, float]:
+    """Metrics of the parent with only `block` replaced at `layer_idx`."""
+    parent_layer = tail.model.model.layers[layer_idx]
+    if block.kind == "attention":
+        state = val_in + block(val_in, tail.pos)
+        delta = parent_layer.ffn_delta(state)
+        state = state if delta is None else state + delta
+    else:
+        state = val_mid + block(val_mid)
+    return tail.metrics(tail.run_from(state, layer_idx + 1))
+
+
+@torch.inference_mode()
+def parent_metrics(tail: ParentTail) -> dict[str, float]:
+    return tail.metrics(tail.parent_logp)
