@@ -1,0 +1,53 @@
+"""Solve a sparse linear system: SSI for 9-point grid systems, a sparse direct solver otherwise."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from mlxkit.cli._errors import guarded
+from mlxkit.cli._options import JsonOpt, OverwriteOpt, QuietOpt, VerboseOpt, console, emit_json, make_reporter
+
+
+@guarded
+def solve_command(
+    file: Annotated[Path, typer.Argument(help="System: .npz (scipy save_npz + optional keys b, grid_shape; or "
+                                              "stencil form: key 'stencil' [H,W,3,3] and b) or .mtx with --rhs.")],
+    rhs: Annotated[Optional[Path], typer.Option("--rhs", help="Right-hand side (.npy, .npz, .mtx, .txt).")] = None,
+    grid: Annotated[Optional[str], typer.Option("--grid", help="Grid shape HxW (default: grid_shape key or inferred).")] = None,
+    method: Annotated[str, typer.Option("--method", help="auto | ssi | superlu | pardiso.")] = "auto",
+    nullspace: Annotated[str, typer.Option("--nullspace", help="none | constant (mean-zero solution of A1=0 systems).")] = "none",
+    dtype: Annotated[str, typer.Option("--dtype", help="SSI precision: float64 | float32.")] = "float64",
+    leaf: Annotated[int, typer.Option("--leaf", min=1, help="Minimum cells per SSI leaf-patch side.")] = 4,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write x and the report to this .npz.")] = None,
+    overwrite: OverwriteOpt = False,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    from mlxkit.engines.solve.runner import run_solve
+
+    reporter = make_reporter(json_out, quiet, verbose)
+    report, _ = run_solve(file, rhs=rhs, grid=grid, method=method, nullspace=nullspace, dtype=dtype, leaf=leaf,
+                          out=out, overwrite=overwrite, reporter=reporter)
+    if json_out:
+        emit_json(report)
+        return
+    if quiet:
+        console.print(f"{report['residual']:.3e}")
+        return
+    table = Table(title=f"mlx solve {file}", show_header=False)
+    table.add_row("method", report["method"] + (f" ({report['dtype']})" if report["method"] == "ssi" else ""))
+    grid_text = "x".join(map(str, report["grid"])) if report["grid"] else "none"
+    table.add_row("unknowns", f"{report['unknowns']:,} (grid {grid_text}, {report['systems']} system(s), "
+                              f"{report['rhs_columns']} rhs column(s))")
+    table.add_row("relative residual", f"{report['residual']:.3e}")
+    if "nullspace" in report:
+        table.add_row("residual vs compatible b", f"{report['compatible_residual']:.3e}")
+    table.add_row("factor / solve", f"{report['factor_s']:.3f} s / {report['solve_s']:.3f} s")
+    if out is not None:
+        table.add_row("output", str(out))
+    console.print(table)

@@ -1,0 +1,12 @@
+"""`mlx solve`: direct solvers for sparse linear systems, led by the Schwarz–Schur involution (SSI).
+
+SSI factorises linear systems on 2-D grids whose couplings stay within a 9-point stencil with batched
+dense linear algebra; other matrices go to a general sparse direct solver (`fallback`).
+"""
+
+from mlxkit.engines.solve.autograd import solve_stencil
+from mlxkit.engines.solve.grid import apply_stencil, csr_to_stencil, infer_grid, stencil_to_csr
+from mlxkit.engines.solve.ssi import SSIFactor, SolverWarning
+
+__all__ = ["SSIFactor", "SolverWarning", "apply_stencil", "csr_to_stencil", "infer_grid", "solve_stencil",
+           "stencil_to_csr"]

@@ -1,0 +1,214 @@
+"""`mlx solve`: read a system, pick SSI or the sparse fallback, solve, check the residual, write `x`."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+
+from mlxkit.engines.core.progress import Reporter
+from mlxkit.engines.errors import InputError, SingularMatrixError
+from mlxkit.engines.solve.fallback import SparseDirect
+from mlxkit.engines.solve.grid import csr_to_stencil, fits_grid, infer_grid, stencil_mask, stencil_to_csr
+from mlxkit.engines.solve.io import Problem, read_problem
+from mlxkit.engines.solve.nullspace import ConstantNullspace, check_constant_nullspace, pin_value
+from mlxkit.engines.solve.ssi import SSIFactor
+
+METHODS = ("auto", "ssi", "superlu", "pardiso")
+# Relative residual above which a solve is reported as singular/ill-conditioned instead of returned.
+RESIDUAL_LIMIT = {"float64": 1e-6, "float32": 1e-2}
+
+BatchSolve = Callable[[np.ndarray, bool], np.ndarray]
+
+
+def parse_grid(text: str | None) -> tuple[int, int] | None:
+    """'HxW' -> (H, W)."""
+    if text is None:
+        return None
+    parts = text.lower().replace("*", "x").split("x")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts) or min(int(p) for p in parts) < 1:
+        raise InputError(f"--grid must look like HxW (e.g. 513x513), got '{text}'")
+    return int(parts[0]), int(parts[1])
+
+
+def _pick_grid(problem: Problem, grid: tuple[int, int] | None, notices: list[str]) -> np.ndarray | None:
+    """The stencil `[B, H, W, 3, 3]` when the system is a 9-point grid system, else None (with a notice why)."""
+    if problem.stencil is not None:
+        return problem.stencil
+    a, n = problem.matrix, problem.matrix.shape[0]
+    a.eliminate_zeros()
+    if grid is not None and grid[0] * grid[1] != n:
+        raise InputError(f"--grid {grid[0]}x{grid[1]} has {grid[0] * grid[1]} nodes but the matrix has {n} rows")
+    hw = grid or problem.grid
+    if hw is not None and not fits_grid(a, *hw):
+        notices.append(f"matrix is not a 9-point matrix on the {hw[0]}x{hw[1]} grid")
+        return None
+    if hw is None:
+        hw = infer_grid(a)
+        if hw is None:
+            notices.append("no 2-D grid structure found in the matrix (not a 9-point grid matrix)")
+            return None
+        notices.append(f"grid {hw[0]}x{hw[1]} inferred from the diagonal offsets")
+    if min(hw) < 2:
+        notices.append(f"grid {hw[0]}x{hw[1]} is one-dimensional")
+        return None
+    return csr_to_stencil(a, *hw)[None]
+
+
+def _matrices(problem: Problem) -> list[sp.csr_matrix]:
+    if problem.matrix is not None:
+        return [problem.matrix]
+    return [stencil_to_csr(s) for s in problem.stencil]
+
+
+def _relative_residuals(mats: list[sp.csr_matrix], x: np.ndarray, b: np.ndarray) -> list[float]:
+    out = []
+    for a, xi, bi in zip(mats, x, b):
+        norm = np.linalg.norm(bi)
+        out.append(float(np.linalg.norm(a @ xi - bi) / (norm if norm > 0 else 1.0)))
+    return out
+
+
+def _ssi_solver(stencil: np.ndarray, dtype: str, leaf: int) -> tuple[BatchSolve, SSIFactor]:
+    factor = SSIFactor(torch.from_numpy(stencil), dtype=getattr(torch, dtype), leaf=leaf)
+    shape = stencil.shape[:3]
+
+    def solve(b: np.ndarray, transpose: bool) -> np.ndarray:
+        x = factor.solve(torch.from_numpy(b.reshape(*shape, -1)), transpose=transpose)
+        return x.to(torch.float64).numpy().reshape(b.shape)
+
+    return solve, factor
+
+
+def _sparse_solver(mats: list[sp.csr_matrix], backend: str) -> tuple[BatchSolve, str]:
+    factors = [SparseDirect(a, backend) for a in mats]
+
+    def solve(b: np.ndarray, transpose: bool) -> np.ndarray:
+        return np.stack([f.solve(bi, transpose).reshape(bi.shape) for f, bi in zip(factors, b)])
+
+    return solve, factors[0].backend
+
+
+def _pin(problem: Problem, stencil: np.ndarray | None, notices: list[str]) -> tuple[Problem, np.ndarray | None, int]:
+    """Check A 1 = 0 and add d to one diagonal entry; returns the pinned problem and the pinned node."""
+    if stencil is not None:
+        masked = stencil * stencil_mask(*stencil.shape[1:3])
+        check_constant_nullspace(masked.sum((-1, -2)), np.abs(masked).sum((-1, -2)))
+        height, width = stencil.shape[1:3]
+        k = (height // 2) * width + width // 2
+        pinned = stencil.copy()
+        pinned[:, height // 2, width // 2, 1, 1] += pin_value(stencil[..., 1, 1])
+        return problem, pinned, k
+    a = problem.matrix
+    check_constant_nullspace(np.asarray(a.sum(axis=1)).ravel(), np.asarray(abs(a).sum(axis=1)).ravel())
+    k = a.shape[0] // 2
+    pinned = (a + sp.csr_matrix(([pin_value(a.diagonal())], ([k], [k])), shape=a.shape)).tocsr()
+    return Problem(source=problem.source, b=problem.b, rhs_shape=problem.rhs_shape, matrix=pinned,
+                   grid=problem.grid), None, k
+
+
+def _save(out: Path, x: np.ndarray, report: dict, overwrite: bool) -> None:
+    """Write the npz through a temporary sibling and a rename: it appears whole or not at all."""
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise InputError(f"output '{out}' already exists (pass --overwrite to replace it)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            np.savez(handle, x=x, residual=np.float64(report["residual"]), method=np.str_(report["method"]),
+                     factor_s=np.float64(report["factor_s"]), solve_s=np.float64(report["solve_s"]),
+                     report=np.str_(json.dumps(report)))
+        os.replace(tmp, out)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def run_solve(path: str | os.PathLike, *, rhs: str | os.PathLike | None = None, grid: str | None = None,
+              method: str = "auto", nullspace: str = "none", dtype: str = "float64", leaf: int = 4,
+              out: str | os.PathLike | None = None, overwrite: bool = False,
+              reporter: Reporter | None = None) -> tuple[dict, np.ndarray]:
+    """Solve the system in `path`; returns (report, x) and writes `out` when given.
+
+    The report has the method, timings, grid, sizes and the relative residual ``||Ax - b|| / ||b||``
+    (the largest over the batch), which is always computed in float64.
+    """
+    reporter = reporter or Reporter()
+    if method not in METHODS:
+        raise InputError(f"--method must be one of {', '.join(METHODS)}, got '{method}'")
+    if nullspace not in ("none", "constant"):
+        raise InputError(f"--nullspace must be 'none' or 'constant', got '{nullspace}'")
+    if dtype not in RESIDUAL_LIMIT:
+        raise InputError(f"--dtype must be float64 or float32, got '{dtype}'")
+    if out is not None and Path(out).exists() and not overwrite:
+        raise InputError(f"output '{out}' already exists (pass --overwrite to replace it)")
+    explicit_grid = parse_grid(grid)
+    problem = read_problem(path, rhs)
+    notices: list[str] = []
+    stencil = _pick_grid(problem, explicit_grid, notices) if method in ("auto", "ssi") else None
+    if method == "ssi" and stencil is None:
+        raise InputError(f"--method ssi needs a 9-point grid matrix: {notices[-1]}")
+    for notice in notices:
+        reporter.notice(notice)
+    original = problem
+    pinned_node = None
+    if nullspace == "constant":
+        problem, pinned, pinned_node = _pin(problem, stencil, notices)
+        stencil = pinned if stencil is not None else None
+    t0 = time.perf_counter()
+    ssi = None
+    if stencil is not None:
+        solve, ssi = _ssi_solver(stencil, dtype, leaf)
+        used = "ssi"
+    else:
+        solve, used = _sparse_solver(_matrices(problem), "auto" if method == "auto" else method)
+        late = [f"using the general sparse direct solver ({used})"] if method == "auto" else []
+        late += [f"{used} always works in float64"] if dtype != "float64" else []
+        for notice in late:
+            reporter.notice(notice)
+        notices += late
+    factor_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    lam = None
+    if pinned_node is not None:
+        x, lam = ConstantNullspace(solve, problem.batch, problem.b.shape[1], pinned_node).solve(problem.b)
+    else:
+        x = solve(problem.b, False)
+    solve_s = time.perf_counter() - t0
+    mats = _matrices(original)
+    residuals = _relative_residuals(mats, x, original.b)
+    limit = RESIDUAL_LIMIT[dtype if used == "ssi" else "float64"]
+    checked = residuals if lam is None else _relative_residuals(mats, x, original.b - lam[:, None, :])
+    if not max(checked) <= limit:
+        hint = "" if nullspace == "constant" else "; for a pure-Neumann problem try --nullspace constant"
+        raise SingularMatrixError(f"solve failed the residual check: ||Ax-b||/||b|| = {max(checked):.2e} > "
+                                  f"{limit:.0e} (matrix singular or too ill-conditioned){hint}")
+    report = {
+        "file": str(path), "method": used, "dtype": dtype if used == "ssi" else "float64",
+        "unknowns": int(problem.b.shape[1]), "systems": int(problem.batch), "rhs_columns": int(problem.b.shape[2]),
+        "grid": list(stencil.shape[1:3]) if stencil is not None else None,
+        "residual": max(residuals), "residuals": residuals, "factor_s": factor_s, "solve_s": solve_s,
+        "notices": notices,
+    }
+    if ssi is not None:
+        report["factor_bytes"] = ssi.nbytes()
+        report["min_pivot_ratio"] = float(ssi.min_pivot_ratio.min())
+    if lam is not None:
+        report["nullspace"] = "constant"
+        report["compatible_residual"] = max(checked)
+        report["rhs_inconsistency"] = float(np.abs(lam).max())
+    x_out = x.reshape(original.rhs_shape)
+    if out is not None:
+        report["out"] = str(out)
+        _save(Path(out), x_out, report, overwrite)
+    return report, x_out

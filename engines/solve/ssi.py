@@ -1,0 +1,310 @@
+"""The Schwarz–Schur involution (SSI) factorisation of 9-point grid systems.
+
+Method (Wang, Abulnaga, Balbastre, Fischl, ICML 2025; see shared/research/solver.md):
+
+1. Schwarz step: the matrix is split additively into dense per-patch matrices (couplings shared by
+   neighbouring patches are divided between them), and every patch eliminates the nodes it owns
+   alone: one batched static condensation for all patches of a geometry.
+2. Schur steps: neighbouring subdomains are merged pairwise, alternating the axis; the merged
+   subdomain eliminates the interface nodes nobody else shares (a batched Schur complement).
+3. The root step eliminates the last separator; back-substitution runs the steps in reverse.
+
+Each elimination of ``[[RR, RS], [SR, SS]]`` stores ``LU(SS)``, ``RS`` and ``T = SS^-1 SR``; the
+Schur complement is ``RR - RS T``. No inverse is formed. Those three tensors serve plain and transposed
+solves alike, so a factorisation is computed once and re-solves any number of right-hand sides.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from mlxkit.engines.errors import InputError, SingularMatrixError
+from mlxkit.engines.solve.linalg import lu_factor, lu_solve, pivot_ratio
+from mlxkit.engines.solve.plan import Plan, build_plan
+
+
+class SolverWarning(UserWarning):
+    """A solve finished, but its result deserves a second look (e.g. a large residual)."""
+
+
+def pivot_tolerance(dtype: torch.dtype, unknowns: int) -> float:
+    """Smallest LU pivot ratio (min/max |U_ii| of a block) accepted as nonsingular.
+
+    For a singular system (pure-Neumann Laplacian) the root pivot ratio is rounding noise that grows
+    like ~0.1 eps N (measured: 4.6e-12 at 513^2 in fp64); a well-posed 2-D problem stays >= 1e-3.
+    """
+    eps = torch.finfo(dtype).eps
+    floor, cap = (1e-13, 1e-6) if dtype == torch.float64 else (1e-6, 1e-2)
+    return min(cap, max(floor, eps * unknowns))
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_plan(height: int, width: int, leaf: int) -> Plan:
+    return build_plan(height, width, leaf)
+
+
+@contextlib.contextmanager
+def flush_denormals(dtype: torch.dtype) -> Iterator[None]:
+    """Flush subnormals to zero in fp32 on CPU: decaying Schur complements otherwise run ~50x slower."""
+    if dtype != torch.float32:
+        yield
+        return
+    torch.set_flush_denormal(True)
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(False)
+
+
+@dataclass
+class _Block:
+    """Factors of one batched elimination ``[[RR, RS], [SR, SS]]`` with `kept` rows in R."""
+
+    lu: torch.Tensor  # [B, n, s, s]
+    piv: torch.Tensor
+    rs: torch.Tensor  # [B, n, r, s]
+    t: torch.Tensor  # [B, n, s, r] = SS^-1 SR
+    kept: int
+
+    def up(self, f: torch.Tensor, transpose: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Condense a right-hand side ``[B, n, r + s, C]``; returns the kept part and what `down` needs."""
+        f_r, f_s = f[:, :, :self.kept], f[:, :, self.kept:]
+        if transpose:  # (SR^T SS^-T) f_S = T^T f_S
+            return f_r - self.t.mT @ f_s, f_s
+        z = lu_solve(self.lu, self.piv, f_s)
+        return f_r - self.rs @ z, z
+
+    def down(self, u_r: torch.Tensor, saved: torch.Tensor, transpose: bool) -> torch.Tensor:
+        """Recover the eliminated unknowns from the kept ones; returns ``[u_R; u_S]``."""
+        if transpose:
+            u_s = lu_solve(self.lu, self.piv, saved - self.rs.mT @ u_r, adjoint=True)
+        else:
+            u_s = saved - self.t @ u_r
+        return torch.cat([u_r, u_s], dim=2)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.lu, self.piv, self.rs, self.t))
+
+
+def _eliminate(m: torch.Tensor, kept: int) -> tuple[torch.Tensor, _Block, torch.Tensor]:
+    """Schur complement of the trailing block of ``m [B, n, k, k]``; also returns each block's pivot ratio."""
+    ss = m[:, :, kept:, kept:]
+    sr = m[:, :, kept:, :kept]
+    rs = m[:, :, :kept, kept:].contiguous()
+    if ss.shape[-1] == 0:
+        lu, piv, ratio = ss.clone(), ss.new_zeros(ss.shape[:-1], dtype=torch.int32), m.new_ones(m.shape[:2])
+    else:
+        lu, piv, info = lu_factor(ss)
+        ratio = pivot_ratio(lu).masked_fill(info > 0, 0.0)
+    t = lu_solve(lu, piv, sr)
+    schur = m[:, :, :kept, :kept] - rs @ t
+    return schur, _Block(lu=lu, piv=piv, rs=rs, t=t, kept=kept), ratio
+
+
+def _as_stencil(stencil, dtype: torch.dtype, device) -> tuple[torch.Tensor, bool]:
+    s = torch.as_tensor(stencil)
+    if s.is_complex():
+        raise InputError("complex systems are not supported")
+    if s.ndim not in (4, 5) or s.shape[-2:] != (3, 3):
+        raise InputError(f"stencil must have shape [H, W, 3, 3] or [B, H, W, 3, 3], got {list(s.shape)}")
+    batched = s.ndim == 5
+    s = (s if batched else s[None]).to(dtype=dtype, device=device)
+    if s.shape[1] < 2 or s.shape[2] < 2:
+        raise InputError(f"SSI needs a grid of at least 2x2 nodes, got {s.shape[1]}x{s.shape[2]}")
+    if not torch.isfinite(s).all():
+        raise InputError("stencil has NaN or Inf entries")
+    return s, batched
+
+
+class SSIFactor:
+    """SSI factorisation of a batch of 9-point grid systems, computed once and re-used for every solve.
+
+    Parameters
+    ----------
+    stencil : array or tensor ``[H, W, 3, 3]`` or ``[B, H, W, 3, 3]``
+        ``stencil[..., y, x, 1 + dy, 1 + dx]`` couples node (y, x) to node (y + dy, x + dx) (see `grid`).
+    dtype : torch.dtype, default float64
+        float32 halves time and memory on CPU at ~1e-6 relative accuracy (subnormals are flushed).
+    device : str or torch.device, default "cpu"
+    leaf : int
+        Minimum cells per leaf-patch side (patches are leaf..2*leaf-1 cells wide).
+    check : bool
+        Raise `SingularMatrixError` when a pivot block is singular to working precision.
+
+    Examples
+    --------
+    >>> import scipy.sparse as sp
+    >>> from mlxkit.engines.solve.grid import stencil_to_csr
+    >>> s = np.zeros((5, 7, 3, 3)); s[..., 1, 1] = 4.2; s[..., 0, 1] = s[..., 2, 1] = s[..., 1, 0] = s[..., 1, 2] = -1
+    >>> f = SSIFactor(s)
+    >>> b = np.random.default_rng(0).standard_normal((5, 7))
+    >>> x = f.solve(torch.from_numpy(b)).numpy()
+    >>> bool(np.allclose(stencil_to_csr(s) @ x.ravel(), b.ravel()))
+    True
+    """
+
+    def __init__(self, stencil, *, dtype: torch.dtype = torch.float64, device: str | torch.device = "cpu",
+                 leaf: int = 4, check: bool = True, pivot_tol: float | None = None) -> None:
+        if dtype not in (torch.float64, torch.float32):
+            raise InputError(f"dtype must be float64 or float32, got {dtype}")
+        self.dtype, self.device = dtype, torch.device(device)
+        s, self.batched = _as_stencil(stencil, dtype, self.device)
+        self.batch, self.height, self.width = s.shape[0], s.shape[1], s.shape[2]
+        self.plan = _cached_plan(self.height, self.width, max(1, int(leaf)))
+        self.profile: list[tuple[str, float]] = []
+        with flush_denormals(dtype), torch.no_grad():
+            self._factor(s)
+        tol = pivot_tolerance(dtype, self.height * self.width) if pivot_tol is None else pivot_tol
+        self.min_pivot_ratio = self._ratio.cpu().numpy()
+        bad = np.flatnonzero(~(self.min_pivot_ratio > tol))
+        if check and bad.size:
+            which = f" (system {int(bad[0])} of {self.batch})" if self.batched else ""
+            raise SingularMatrixError(
+                f"matrix is singular to working precision{which}: smallest pivot ratio "
+                f"{self.min_pivot_ratio[bad[0]]:.2e} < {tol:.0e}; for a pure-Neumann problem use "
+                f"--nullspace constant, or pin one value")
+
+    # -- factorisation -------------------------------------------------------------------------------
+
+    def _index(self, a: np.ndarray) -> torch.Tensor:
+        return torch.as_tensor(a, dtype=torch.long, device=self.device)
+
+    def _weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Share of each stencil entry and each node that every patch containing it receives."""
+        plan = self.plan
+        on_cut_x = np.zeros(self.width, dtype=bool)
+        on_cut_x[plan.cuts_x[1:-1]] = True
+        on_cut_y = np.zeros(self.height, dtype=bool)
+        on_cut_y[plan.cuts_y[1:-1]] = True
+        cnt_x = np.where(on_cut_x, 2.0, 1.0)
+        cnt_y = np.where(on_cut_y, 2.0, 1.0)
+        w = np.ones((self.height, self.width, 3, 3))
+        w[:, :, :, 1] /= cnt_x[None, :, None]  # dx = 0: the pair lies on a vertical cut line if x does
+        w[:, :, 1, :] /= cnt_y[:, None, None]  # dy = 0
+        from mlxkit.engines.solve.grid import stencil_mask
+
+        w *= stencil_mask(self.height, self.width)
+        node = 1.0 / (cnt_y[:, None] * cnt_x[None, :])
+        return (torch.as_tensor(w, dtype=self.dtype, device=self.device),
+                torch.as_tensor(node, dtype=self.dtype, device=self.device))
+
+    def _factor(self, s: torch.Tensor) -> None:
+        plan = self.plan
+        entry_w, self._node_w = self._weights()
+        sw = (s * entry_w).reshape(self.batch, self.height, self.width, 9)
+        ratio = s.new_full((self.batch,), float("inf"))
+        t0 = time.perf_counter()
+        self._leaf_idx, self._leaf_blocks, level = [], [], []
+        for g in plan.leaves:
+            ys, xs = self._index(g.ys), self._index(g.xs)
+            m = len(g.order)
+            vals = sw[:, ys[:, g.rows], xs[:, g.rows], self._index(g.offset)]
+            dense = s.new_zeros(self.batch, len(g.members), m * m)
+            dense[:, :, self._index(g.rows * m + g.cols)] = vals
+            schur, block, r = _eliminate(dense.view(self.batch, -1, m, m), len(g.kept))
+            ratio = torch.minimum(ratio, r.amin(1))
+            self._leaf_idx.append((ys, xs))
+            self._leaf_blocks.append(block)
+            level.append(schur)
+        self.profile.append(("schwarz (leaf patches)", time.perf_counter() - t0))
+        self._steps = []
+        for k, step in enumerate(plan.steps):
+            t0 = time.perf_counter()
+            blocks, idx = [], []
+            parts: list[list[torch.Tensor]] = [[] for _ in step.groups]
+            for mg in step.merges:
+                il, ir = self._index(mg.index_left), self._index(mg.index_right)
+                pl, pr = self._index(mg.left_pos), self._index(mg.right_pos)
+                dense = s.new_zeros(self.batch, mg.count, mg.size, mg.size)
+                dense[:, :, il[:, None], il[None, :]] = level[mg.left_group][:, pl]
+                dense[:, :, ir[:, None], ir[None, :]] += level[mg.right_group][:, pr]
+                schur, block, r = _eliminate(dense, mg.kept)
+                del dense
+                ratio = torch.minimum(ratio, r.amin(1))
+                parts[mg.out_group].append(schur)
+                blocks.append(block)
+                idx.append((il, ir, pl, pr))
+            level = [torch.cat(p, dim=1) if len(p) > 1 else p[0] for p in parts]
+            self._steps.append((blocks, idx))
+            sizes = max(mg.size - mg.kept for mg in step.merges)
+            self.profile.append((f"schur {k + 1} ({step.axis}, separator <= {sizes})", time.perf_counter() - t0))
+        self._ratio = ratio
+
+    # -- solves --------------------------------------------------------------------------------------
+
+    def nbytes(self) -> int:
+        """Memory held by the factorisation."""
+        blocks = self._leaf_blocks + [b for blocks, _ in self._steps for b in blocks]
+        return sum(b.nbytes() for b in blocks)
+
+    def _normalise_rhs(self, b) -> tuple[torch.Tensor, tuple[int, ...]]:
+        b = torch.as_tensor(b)
+        grid = (self.height, self.width)
+        lead = (self.batch,) if self.batched else ()
+        if tuple(b.shape[:len(lead) + 2]) != lead + grid or b.ndim not in (len(lead) + 2, len(lead) + 3):
+            want = "[B, H, W] or [B, H, W, C]" if self.batched else "[H, W] or [H, W, C]"
+            raise InputError(f"right-hand side must have shape {want} with B, H, W = "
+                             f"{lead + grid}, got {list(b.shape)}")
+        shape = tuple(b.shape)
+        b = b.to(dtype=self.dtype, device=self.device)
+        if b.ndim == len(lead) + 2:
+            b = b[..., None]
+        if not self.batched:
+            b = b[None]
+        return b, shape
+
+    def solve(self, b, transpose: bool = False) -> torch.Tensor:
+        """Solve ``A x = b`` (or ``A^T x = b``) for right-hand sides shaped like the grid.
+
+        `b` is ``[H, W]`` or ``[H, W, C]`` (batched factor: ``[B, H, W]`` or ``[B, H, W, C]``); the
+        result has the same shape.
+        """
+        b4, shape = self._normalise_rhs(b)
+        with flush_denormals(self.dtype), torch.no_grad():
+            x = self._solve4(b4, transpose)
+        return x.reshape(shape)
+
+    def _solve4(self, b: torch.Tensor, transpose: bool) -> torch.Tensor:
+        bsz, channels = b.shape[0], b.shape[-1]
+        bw = b * self._node_w[None, :, :, None]
+        level, saved_leaf = [], []
+        for (ys, xs), block in zip(self._leaf_idx, self._leaf_blocks):
+            kept, keep = block.up(bw[:, ys, xs, :], transpose)
+            level.append(kept)
+            saved_leaf.append(keep)
+        saved_steps = []
+        for step, (blocks, idx) in zip(self.plan.steps, self._steps):
+            parts: list[list[torch.Tensor]] = [[] for _ in step.groups]
+            saved = []
+            for mg, block, (il, ir, pl, pr) in zip(step.merges, blocks, idx):
+                f = b.new_zeros(bsz, mg.count, mg.size, channels)
+                f[:, :, il] = level[mg.left_group][:, pl]
+                f[:, :, ir] += level[mg.right_group][:, pr]
+                kept, keep = block.up(f, transpose)
+                parts[mg.out_group].append(kept)
+                saved.append(keep)
+            level = [torch.cat(p, dim=1) if len(p) > 1 else p[0] for p in parts]
+            saved_steps.append(saved)
+        # The root keeps nothing; walk back down.
+        u = [b.new_zeros(bsz, len(g.members), len(g.kept), channels)
+             for g in (self.plan.steps[-1].groups if self.plan.steps else self.plan.leaves)]
+        for k in range(len(self.plan.steps) - 1, -1, -1):
+            step, (blocks, idx) = self.plan.steps[k], self._steps[k]
+            below = self.plan.steps[k - 1].groups if k else self.plan.leaves
+            child = [b.new_zeros(bsz, len(g.members), len(g.kept), channels) for g in below]
+            for mg, block, (il, ir, pl, pr), keep in zip(step.merges, blocks, idx, saved_steps[k]):
+                full = block.down(u[mg.out_group][:, mg.out_start:mg.out_start + mg.count], keep, transpose)
+                child[mg.left_group][:, pl] = full[:, :, il]
+                child[mg.right_group][:, pr] = full[:, :, ir]
+            u = child
+        x = torch.empty_like(b)
+        for (ys, xs), block, keep, u_g in zip(self._leaf_idx, self._leaf_blocks, saved_leaf, u):
+            x[:, ys, xs, :] = block.down(u_g, keep, transpose)
+        return x
