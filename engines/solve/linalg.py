@@ -18,12 +18,17 @@ import torch
 
 # Order from which a batch is factorised matrix by matrix (see the module docstring).
 _LOOP_FROM = 64
-# Below this order a batched call is overhead-bound and runs on one thread.
-_SMALL = 96
+# Levels whose blocks are all below this order are overhead-bound and run on one thread.
+SMALL = 128
 
 
 @contextlib.contextmanager
-def _one_thread(active: bool) -> Iterator[None]:
+def one_thread(active: bool) -> Iterator[None]:
+    """Run a block of batched small-matrix work on one intra-op thread (see the module docstring).
+
+    Switching the thread count is itself slow on a loaded machine, so callers switch once per batch
+    of work (one SSI level), not once per operation.
+    """
     if not active:
         yield
         return
@@ -36,10 +41,6 @@ def _one_thread(active: bool) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
-
-
-def _small_batch(a: torch.Tensor) -> bool:
-    return a.device.type == "cpu" and a.shape[-1] < _SMALL and a[..., 0, 0].numel() > 1
 
 
 def lu_factor(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -65,16 +66,14 @@ def lu_factor(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
             infos.append(info)
         return (torch.stack(lus).reshape(*batch, n, n), torch.stack(pivs).reshape(*batch, n),
                 torch.stack(infos).reshape(batch))
-    with _one_thread(_small_batch(a)):
-        return torch.linalg.lu_factor_ex(a)
+    return torch.linalg.lu_factor_ex(a)
 
 
 def lu_solve(lu: torch.Tensor, piv: torch.Tensor, rhs: torch.Tensor, adjoint: bool = False) -> torch.Tensor:
     """Solve `A X = rhs` (or `A^T X = rhs` with `adjoint`) from `lu_factor`'s output."""
     if rhs.shape[-1] == 0 or lu.shape[-1] == 0:
         return rhs.clone()
-    with _one_thread(_small_batch(lu)):
-        return torch.linalg.lu_solve(lu, piv, rhs, adjoint=adjoint)
+    return torch.linalg.lu_solve(lu, piv, rhs, adjoint=adjoint)
 
 
 def pivot_ratio(lu: torch.Tensor) -> torch.Tensor:

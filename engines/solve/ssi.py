@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from mlxkit.engines.errors import InputError, SingularMatrixError
-from mlxkit.engines.solve.linalg import lu_factor, lu_solve, pivot_ratio
+from mlxkit.engines.solve.linalg import SMALL, lu_factor, lu_solve, one_thread, pivot_ratio
 from mlxkit.engines.solve.plan import Plan, build_plan
 
 
@@ -106,6 +106,20 @@ def _eliminate(m: torch.Tensor, kept: int) -> tuple[torch.Tensor, _Block, torch.
     t = lu_solve(lu, piv, sr)
     schur = m[:, :, :kept, :kept] - rs @ t
     return schur, _Block(lu=lu, piv=piv, rs=rs, t=t, kept=kept), ratio
+
+
+def _scatter_square(dense: torch.Tensor, flat: torch.Tensor, block: torch.Tensor, add: bool) -> None:
+    """dense[..., i, j] (+)= block[..., a, b] for (i, j) = (index[a], index[b]), through one flat index."""
+    target = dense.view(*dense.shape[:2], -1)
+    source = block.reshape(*block.shape[:2], -1)
+    if add:
+        target.index_add_(2, flat, source)
+    else:
+        target.index_copy_(2, flat, source)
+
+
+def _flat(index: torch.Tensor, size: int) -> torch.Tensor:
+    return (index[:, None] * size + index[None, :]).reshape(-1)
 
 
 def _as_stencil(stencil, dtype: torch.dtype, device) -> tuple[torch.Tensor, bool]:
@@ -202,29 +216,45 @@ class SSIFactor:
         ratio = s.new_full((self.batch,), float("inf"))
         t0 = time.perf_counter()
         self._leaf_idx, self._leaf_blocks, level = [], [], []
-        for g in plan.leaves:
+        # The leaf level and the first merge levels are many small blocks: one thread, switched once.
+        with contextlib.ExitStack() as small_levels:
+            small_levels.enter_context(one_thread(self.device.type == "cpu"))
+            self._factor_leaves(s, sw, level)
+            for r in self._leaf_ratio:
+                ratio = torch.minimum(ratio, r)
+            self.profile.append(("schwarz (leaf patches)", time.perf_counter() - t0))
+            self._factor_merges(s, level, ratio, small_levels)
+
+    def _factor_leaves(self, s: torch.Tensor, sw: torch.Tensor, level: list[torch.Tensor]) -> None:
+        self._leaf_ratio = []
+        for g in self.plan.leaves:
             ys, xs = self._index(g.ys), self._index(g.xs)
             m = len(g.order)
             vals = sw[:, ys[:, g.rows], xs[:, g.rows], self._index(g.offset)]
             dense = s.new_zeros(self.batch, len(g.members), m * m)
             dense[:, :, self._index(g.rows * m + g.cols)] = vals
             schur, block, r = _eliminate(dense.view(self.batch, -1, m, m), len(g.kept))
-            ratio = torch.minimum(ratio, r.amin(1))
+            self._leaf_ratio.append(r.amin(1))
             self._leaf_idx.append((ys, xs))
             self._leaf_blocks.append(block)
             level.append(schur)
-        self.profile.append(("schwarz (leaf patches)", time.perf_counter() - t0))
+
+    def _factor_merges(self, s: torch.Tensor, level: list[torch.Tensor], ratio: torch.Tensor,
+                       small_levels: contextlib.ExitStack) -> None:
+        plan = self.plan
         self._steps = []
         for k, step in enumerate(plan.steps):
             t0 = time.perf_counter()
             blocks, idx = [], []
             parts: list[list[torch.Tensor]] = [[] for _ in step.groups]
+            if max(mg.size for mg in step.merges) >= SMALL:
+                small_levels.close()  # large blocks from here on: back to all threads
             for mg in step.merges:
                 il, ir = self._index(mg.index_left), self._index(mg.index_right)
                 pl, pr = self._index(mg.left_pos), self._index(mg.right_pos)
                 dense = s.new_zeros(self.batch, mg.count, mg.size, mg.size)
-                dense[:, :, il[:, None], il[None, :]] = level[mg.left_group][:, pl]
-                dense[:, :, ir[:, None], ir[None, :]] += level[mg.right_group][:, pr]
+                _scatter_square(dense, _flat(il, mg.size), level[mg.left_group][:, pl], add=False)
+                _scatter_square(dense, _flat(ir, mg.size), level[mg.right_group][:, pr], add=True)
                 schur, block, r = _eliminate(dense, mg.kept)
                 del dense
                 ratio = torch.minimum(ratio, r.amin(1))
@@ -250,8 +280,8 @@ class SSIFactor:
         lead = (self.batch,) if self.batched else ()
         if tuple(b.shape[:len(lead) + 2]) != lead + grid or b.ndim not in (len(lead) + 2, len(lead) + 3):
             want = "[B, H, W] or [B, H, W, C]" if self.batched else "[H, W] or [H, W, C]"
-            raise InputError(f"right-hand side must have shape {want} with B, H, W = "
-                             f"{lead + grid}, got {list(b.shape)}")
+            raise InputError(f"right-hand side must have shape {want} with {want[1:-1].split(', C')[0].split(' or ')[0]}"
+                             f" = {list(lead + grid)}, got {list(b.shape)}")
         shape = tuple(b.shape)
         b = b.to(dtype=self.dtype, device=self.device)
         if b.ndim == len(lead) + 2:
@@ -267,7 +297,8 @@ class SSIFactor:
         result has the same shape.
         """
         b4, shape = self._normalise_rhs(b)
-        with flush_denormals(self.dtype), torch.no_grad():
+        # Solves are a chain of small batched products: one thread avoids per-op start-up costs.
+        with flush_denormals(self.dtype), torch.no_grad(), one_thread(self.device.type == "cpu"):
             x = self._solve4(b4, transpose)
         return x.reshape(shape)
 
@@ -285,8 +316,8 @@ class SSIFactor:
             saved = []
             for mg, block, (il, ir, pl, pr) in zip(step.merges, blocks, idx):
                 f = b.new_zeros(bsz, mg.count, mg.size, channels)
-                f[:, :, il] = level[mg.left_group][:, pl]
-                f[:, :, ir] += level[mg.right_group][:, pr]
+                f.index_copy_(2, il, level[mg.left_group][:, pl])
+                f.index_add_(2, ir, level[mg.right_group][:, pr])
                 kept, keep = block.up(f, transpose)
                 parts[mg.out_group].append(kept)
                 saved.append(keep)
