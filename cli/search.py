@@ -1,0 +1,64 @@
+"""Puzzle architecture search: pick a per-layer child under hardware budgets and save it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from mlxkit.cli._errors import fail, guarded
+from mlxkit.cli._options import (AllowPickleOpt, DataOpt, JsonOpt, OverwriteOpt, QuietOpt, RecipeOpt, SeedOpt,
+                                 VerboseOpt, console, emit_json, make_reporter)
+
+
+@guarded
+def search_command(
+    target: Annotated[str, typer.Option("--target", "-t", help="Hardware profile name (h100, h200, a100-80gb, l40s, cpu, ...) or YAML path.")] = "h100",
+    model: Annotated[str, typer.Option("--model", "-m", help="Parent model.")] = "smollm2-135m",
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Where to save the child checkpoint. Default: ./puzzle-child-TARGET.")] = None,
+    throughput: Annotated[Optional[str], typer.Option("--throughput", help="Minimum throughput: tokens/s or a multiple of the parent's, e.g. 2x.")] = None,
+    memory: Annotated[Optional[str], typer.Option("--memory", help="Maximum memory, e.g. 80GiB.")] = None,
+    latency: Annotated[Optional[str], typer.Option("--latency", help="Maximum runtime of one scenario batch, e.g. 30s.")] = None,
+    params: Annotated[Optional[str], typer.Option("--params", help="Maximum parameter count, e.g. 100M.")] = None,
+    scenario: Annotated[Optional[str], typer.Option("--scenario", help="Deployment scenario, e.g. batch=256,in=128,out=1024,weights=fp8.")] = None,
+    recipe: RecipeOpt = "quick",
+    library: Annotated[Optional[Path], typer.Option("--library", help="Block library (mlxkit dir/JSON, or an NVlabs/puzzle demo JSON).")] = None,
+    costs: Annotated[str, typer.Option("--costs", help="'profile' (predict from shapes) or 'library' (the library's own stats).")] = "profile",
+    metric: Annotated[str, typer.Option("--metric", help="Library metric to optimise (kl_div, lm_loss, top1_agreement).")] = "kl_div",
+    solutions: Annotated[int, typer.Option("--solutions", min=1, help="Number of diverse solutions.")] = 1,
+    min_distance: Annotated[Optional[int], typer.Option("--min-distance", min=1, help="Layers in which solutions must differ (default 20%).")] = None,
+    batch_sweep: Annotated[Optional[str], typer.Option("--batch-sweep", help="Comma-separated batch sizes to solve for; keeps the best.")] = None,
+    costs_only: Annotated[bool, typer.Option("--costs-only", help="Price the search space from the config alone (no weights).")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Solve and report, but write no checkpoint.")] = False,
+    data: DataOpt = None,
+    seed: SeedOpt = 0,
+    overwrite: OverwriteOpt = False,
+    allow_pickle: AllowPickleOpt = False,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    from mlxkit.cli.search_render import render_costs, render_search
+    from mlxkit.engines.puzzle.search import SearchOptions, costs_only as price_only, run_search
+
+    reporter = make_reporter(json_out, quiet, verbose)
+    if costs not in ("profile", "library"):
+        raise fail(f"--costs must be 'profile' or 'library' (got '{costs}')")
+    if costs_only:
+        report = price_only(model, target, scenario, recipe or "quick", reporter)
+        emit_json(report) if json_out else render_costs(report, console)
+        return
+    try:
+        sweep = tuple(int(b) for b in batch_sweep.split(",")) if batch_sweep else ()
+    except ValueError:
+        raise fail(f"--batch-sweep takes comma-separated integers (got '{batch_sweep}')") from None
+    target_name = Path(target).stem if target.endswith((".yaml", ".yml")) else target
+    options = SearchOptions(out=None if dry_run else (out or Path(f"puzzle-child-{target_name}")), target=target,
+                            model=model, recipe=recipe or "quick", library=library, data=data, throughput=throughput,
+                            memory=memory, latency=latency, params=params, scenario=scenario, costs=costs,  # type: ignore[arg-type]
+                            metric=metric, solutions=solutions, min_distance=min_distance, batch_sweep=sweep,
+                            seed=seed, overwrite=overwrite, allow_pickle=allow_pickle)
+    result = run_search(options, reporter)
+    emit_json(result) if json_out else render_search(result, console, quiet)

@@ -1,0 +1,70 @@
+"""Rich tables for `mlx search` results and `--costs-only` price lists."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+
+def _num(value, digits: int = 4) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float) and abs(value) >= 1e4:
+        return f"{value:,.0f}"
+    return f"{value:.{digits}g}" if isinstance(value, float) else str(value)
+
+
+def render_search(result: dict, console: Console, quiet: bool = False) -> None:
+    predicted = result["predicted"]
+    if not quiet:
+        table = Table(title=f"Puzzle child for {result['target']}  ({_scenario(result['scenario'])})")
+        table.add_column("layer", justify="right")
+        table.add_column("attention")
+        table.add_column("ffn")
+        for row in result["choices"]:
+            table.add_row(str(row["layer"]), row["attention"], row["ffn"])
+        console.print(table)
+        summary = Table(show_header=False, title="prediction and held-out evaluation")
+        summary.add_row("summed score", f"{result['metric']} {_num(result['objective'])} ({result['status']}, "
+                                        f"solved in {result['solve_time_s']} s)")
+        if predicted.get("speedup"):
+            summary.add_row("predicted speed-up", f"{predicted['speedup']:.2f}x  ({_num(predicted['tokens_per_s'])} vs "
+                                                  f"{_num(predicted['parent_tokens_per_s'])} tok/s)")
+        summary.add_row("predicted memory", f"{_num(predicted['memory_mib'])} MiB of "
+                                            f"{_num(predicted['memory_capacity_mib'])} (parent "
+                                            f"{_num(predicted['parent_memory_mib'])})")
+        if predicted.get("num_params"):
+            summary.add_row("parameters", f"{_num(predicted['num_params'])} (parent {_num(predicted['parent_num_params'])})")
+        evaluation = result.get("evaluation") or {}
+        if evaluation:
+            summary.add_row("held-out perplexity", f"{evaluation['perplexity']:.3f} child vs "
+                                                   f"{evaluation['parent_perplexity']:.3f} parent "
+                                                   f"({evaluation['tokens']} tokens)")
+            summary.add_row("KL / top-1 agreement", f"{evaluation['kl']:.4f} / {evaluation['top1_agreement']:.3f}")
+        for alt in result.get("alternatives", []):
+            summary.add_row("alternative", f"{result['metric']} {_num(alt['objective'])}, differs in "
+                                           f"{alt['distance_from_best']} layers")
+        console.print(summary)
+    if result.get("out"):
+        console.print(f"[green]child[/green] {result['out']}")
+
+
+def render_costs(report: dict, console: Console) -> None:
+    table = Table(title=f"{report['model']} on {report['target']}  ({_scenario(report['scenario'])})")
+    for column in ("subblock", "variant", "params", "memory MiB", "runtime ms", "prefill ms", "decode step ms"):
+        table.add_column(column, justify="right" if column not in ("subblock", "variant") else "left")
+    for kind in ("attention", "ffn"):
+        for name, stats in report[kind].items():
+            table.add_row(kind, name, _num(stats.get("num_params")), _num(stats.get("memory_mib")),
+                          _num(stats.get("runtime_ms")), _num(stats.get("prefill_runtime_ms")),
+                          _num(stats.get("decode_step_ms")))
+    console.print(table)
+    parent = report["parent_model"]
+    console.print(f"parent model: {_num(parent.get('memory_mib'))} MiB "
+                  f"(capacity {_num(report['memory_capacity_mib'])} MiB), "
+                  f"{_num(parent.get('tokens_per_s'))} tok/s")
+
+
+def _scenario(s: dict) -> str:
+    return f"batch {s['batch']}, in {s['input_len']}, out {s['output_len']}, {s['weight_dtype']} weights, " \
+           f"{s['kv_dtype']} KV"

@@ -1,0 +1,242 @@
+"""`mlx search`: Puzzle end to end, from a parent to a saved child checkpoint.
+
+Plan (what exists is reused, what is missing is built):
+  1. the block library for (model, recipe): built and scored by `distill` if missing;
+  2. every variant priced on the hardware profile for the deployment scenario;
+  3. the MIP (one binary per layer and attention / FFN variant) under the user's budgets,
+     optionally swept over batch sizes and asked for several diverse solutions;
+  4. the best child assembled from the library's trained blocks, saved atomically with
+     its manifest, and evaluated against the parent on held-out tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from mlxkit.engines.core.manifest import Manifest
+from mlxkit.engines.core.progress import Reporter
+from mlxkit.engines.errors import InputError
+from mlxkit.engines.puzzle.budgets import Budgets
+from mlxkit.engines.puzzle.costs import CostModel, Scenario
+from mlxkit.engines.puzzle.hw_profile import HardwareProfile, load_profile
+from mlxkit.engines.puzzle.library_pricing import (library_format, library_problem, load_library, parent_shape,
+                                                   parent_totals, price_library, solution_block_choices)
+from mlxkit.engines.puzzle.mip import Solution, Solver, sweep_batch_sizes
+from mlxkit.engines.puzzle.variants import BlockChoice
+
+DEFAULT_SCENARIO = "batch=256,in=128,out=1024"
+DEFAULT_THROUGHPUT = "1.5x"
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    out: Path | None
+    target: str = "h100"
+    model: str = "smollm2-135m"
+    recipe: str = "quick"
+    library: Path | None = None
+    data: Path | None = None
+    throughput: str | None = None
+    memory: str | None = None
+    latency: str | None = None
+    params: str | None = None
+    scenario: str | None = None
+    costs: Literal["profile", "library"] = "profile"
+    metric: str = "kl_div"
+    solutions: int = 1
+    min_distance: int | None = None
+    batch_sweep: tuple[int, ...] = ()
+    seed: int = 0
+    overwrite: bool = False
+    eval_sequences: int = 4
+    allow_pickle: bool = False
+    extra_caps: dict[str, float] = field(default_factory=dict)
+
+
+def default_scenario(profile: HardwareProfile, text: str | None) -> Scenario:
+    """The paper's text-generation scenario; FP8 weights and KV cache where the chip has FP8."""
+    defaults: dict[str, Any] = {}
+    if "fp8" in profile.peak_tflops:
+        defaults.update(weight_dtype="fp8", kv_dtype="fp8")
+    return Scenario.parse(DEFAULT_SCENARIO if text is None else f"{DEFAULT_SCENARIO},{text}", **defaults)
+
+
+def budgets_of(options: SearchOptions) -> tuple[Budgets, bool]:
+    """The user's budgets; with none given, a 1.5x throughput target (and say so)."""
+    given = any(v is not None for v in (options.throughput, options.memory, options.latency, options.params)) \
+        or bool(options.extra_caps)
+    budgets = Budgets.parse(memory=options.memory, throughput=options.throughput if given else DEFAULT_THROUGHPUT,
+                            latency=options.latency, params=options.params, **options.extra_caps)
+    return budgets, not given
+
+
+# --------------------------------------------------------------------------- pricing without weights
+
+def costs_only(model: str, target: str, scenario_text: str | None, recipe_name: str,
+               reporter: Reporter | None = None) -> dict[str, Any]:
+    """Price every variant of the recipe's search space from the model's config alone."""
+    from mlxkit.engines.models.decilm.convert import check_parent
+    from mlxkit.engines.models.loading import load_config
+    from mlxkit.engines.puzzle.recipe import load_recipe
+    from mlxkit.engines.puzzle.search_space import build_search_space
+    from mlxkit.engines.puzzle.variants import ParentShape
+
+    config = load_config(model, reporter=reporter)
+    check_parent(config)
+    shape = ParentShape.from_config(config)
+    profile = load_profile(target)
+    scenario = default_scenario(profile, scenario_text)
+    space = build_search_space(shape, load_recipe(recipe_name).search_space)
+    cm = CostModel(shape, profile, scenario)
+    parent = cm.parent_model()
+    return {
+        "model": model, "target": profile.name, "scenario": scenario.to_dict(), "parent_shape": shape.__dict__,
+        "attention": {v.name: cm.attention(v).stats() for v in space.attention},
+        "ffn": {v.name: cm.ffn(v).stats() for v in space.ffn},
+        "non_block": cm.non_block().stats(),
+        "parent_model": parent.to_dict(),
+        "memory_capacity_mib": profile.memory_capacity_gib * 1024,
+    }
+
+
+# --------------------------------------------------------------------------- the full search
+
+def run_search(options: SearchOptions, reporter: Reporter | None = None) -> dict[str, Any]:
+    reporter = reporter or Reporter()
+    started = time.time()
+    if options.out is not None and options.out.exists() and not options.overwrite:
+        raise InputError(f"output '{options.out}' already exists (pass --overwrite to replace it)")
+    profile = load_profile(options.target)
+    scenario = default_scenario(profile, options.scenario)
+    budgets, defaulted = budgets_of(options)
+    if defaulted:
+        reporter.notice(f"no budget given: searching for {DEFAULT_THROUGHPUT} the parent's throughput "
+                        f"on {profile.name} ({scenario})")
+
+    library_path, library = _ensure_library(options, reporter)
+    fmt = library_format(library)
+    if options.costs == "library" and fmt == "mlxkit" and "stats_context" not in library:
+        raise InputError("this library holds no measured stats; use --costs profile")
+    shape = parent_shape(library) if fmt == "mlxkit" else None
+
+    def make(batch: int):
+        priced = scenario.with_batch(batch)
+        problem = library_problem(library, metric=options.metric, costs=options.costs, profile=profile,
+                                  scenario=priced, parent=shape)
+        parent_runtime = parent_totals(problem, shape).get("runtime_ms")
+        return problem, budgets.constraints(priced.tokens, parent_runtime)
+
+    t0 = time.perf_counter()
+    if options.batch_sweep:
+        sweep = sweep_batch_sizes(make, options.batch_sweep)
+        scenario = scenario.with_batch(sweep.best_batch)
+        sweep_report = {b: (s.objective if isinstance(s, Solution) else s) for b, s in sweep.per_batch.items()}
+    else:
+        sweep_report = None
+    problem, caps = make(scenario.batch)
+    min_distance = options.min_distance or max(1, round(0.2 * len(problem.layers)))
+    solutions = Solver.build(problem).solve_many(caps, k=options.solutions, min_distance=min_distance)
+    solve_s = time.perf_counter() - t0
+    parent_stats = parent_totals(problem, shape)
+    best = solutions[0]
+    choices = solution_block_choices(best)
+
+    result: dict[str, Any] = {
+        "target": profile.name, "scenario": scenario.to_dict(), "budgets": budgets.describe(), "caps": caps,
+        "budgets_defaulted": defaulted, "library": str(library_path), "metric": options.metric,
+        "costs": options.costs, "objective": best.objective, "status": best.status,
+        "solve_time_s": round(solve_s, 3),
+        "choices": [{"layer": i, "attention": c.attention.name, "ffn": c.ffn.name} for i, c in enumerate(choices)],
+        "predicted": _predicted(best.totals, parent_stats, scenario, profile),
+        "alternatives": [{"objective": s.objective, "totals": s.totals, "choices": s.choices,
+                          "distance_from_best": s.distance(best)} for s in solutions[1:]],
+    }
+    if sweep_report is not None:
+        result["batch_sweep"] = sweep_report
+    if fmt == "mlxkit" and options.out is not None:
+        result.update(_build_child(options, library_path, library, choices, result, profile, scenario, started,
+                                   reporter))
+    elif options.out is not None:
+        reporter.notice("an NVlabs/puzzle demo library has no trained blocks: the solution is reported, "
+                        "no checkpoint is written")
+    result["wall_time_s"] = round(time.time() - started, 1)
+    return result
+
+
+def _ensure_library(options: SearchOptions, reporter: Reporter) -> tuple[Path, dict[str, Any]]:
+    from mlxkit.engines.puzzle.distill import DistillOptions, default_library_dir, run_distill
+    from mlxkit.engines.puzzle.recipe import load_recipe
+
+    if options.library is not None:
+        path = options.library
+        if not path.exists():
+            raise InputError(f"library '{path}' does not exist")
+        return path, load_library(path)
+    path = default_library_dir(options.model, options.recipe)
+    if not (path / "library.json").exists():
+        reporter.notice(f"building the '{options.recipe}' block library for {options.model} at {path} "
+                        "(resumable; reused by later searches)")
+        run_distill(DistillOptions(model=options.model, out=path, recipe=load_recipe(options.recipe),
+                                   data=options.data, seed=options.seed, allow_pickle=options.allow_pickle), reporter)
+    return path, load_library(path)
+
+
+def _predicted(totals: dict[str, float], parent: dict[str, float], scenario: Scenario,
+               profile: HardwareProfile) -> dict[str, Any]:
+    runtime, parent_runtime = totals.get("runtime_ms"), parent.get("runtime_ms")
+    return {
+        "memory_mib": totals.get("memory_mib"), "parent_memory_mib": parent.get("memory_mib"),
+        "memory_capacity_mib": profile.memory_capacity_gib * 1024,
+        "runtime_ms": runtime, "parent_runtime_ms": parent_runtime,
+        "tokens_per_s": scenario.tokens / runtime * 1e3 if runtime else None,
+        "parent_tokens_per_s": scenario.tokens / parent_runtime * 1e3 if parent_runtime else None,
+        "speedup": parent_runtime / runtime if runtime and parent_runtime else None,
+        "num_params": totals.get("num_params"), "parent_num_params": parent.get("num_params"),
+    }
+
+
+def _build_child(options: SearchOptions, library_path: Path, library: dict[str, Any], choices: list[BlockChoice],
+                 result: dict[str, Any], profile: HardwareProfile, scenario: Scenario, started: float,
+                 reporter: Reporter) -> dict[str, Any]:
+    from mlxkit.engines.eval.language_model import evaluate
+    from mlxkit.engines.models.decilm.convert import from_parent
+    from mlxkit.engines.models.loading import load_model
+    from mlxkit.engines.models.saving import save_model
+    from mlxkit.engines.puzzle.assemble import assemble_child
+    from mlxkit.engines.puzzle.library import LibraryDir
+
+    root = library_path if library_path.is_dir() else library_path.parent
+    parent_spec = library["parent"]["spec"]
+    loaded = load_model(parent_spec, allow_pickle=options.allow_pickle, reporter=reporter)
+    parent = from_parent(loaded.model)
+    parent.config._attn_implementation = "sdpa"
+    child = assemble_child(parent, LibraryDir(root), choices)
+    n_params = sum(p.numel() for p in child.parameters())
+
+    tokens_file = root / ".work" / "tokens.pt"
+    evaluation: dict[str, Any] = {}
+    if tokens_file.exists():
+        val = torch.load(tokens_file, weights_only=True)["val"][: options.eval_sequences]
+        with reporter.task("evaluating child against parent on held-out tokens"):
+            child_eval = evaluate(child, val, reference=parent)
+            parent_eval = evaluate(parent, val)
+        evaluation = {"perplexity": child_eval.perplexity, "parent_perplexity": parent_eval.perplexity,
+                      "kl": child_eval.kl, "top1_agreement": child_eval.top1_agreement, "tokens": child_eval.tokens}
+
+    manifest = Manifest(verb="search", started=started)
+    manifest.add_input("parent", parent_spec, loaded.source.path)
+    manifest.add_input("library", str(library_path), root / "library.json")
+    manifest.seeds = {"seed": options.seed}
+    manifest.settings = {"target": profile.name, "scenario": scenario.to_dict(), "budgets": result["budgets"],
+                         "caps": result["caps"], "metric": options.metric, "costs": options.costs,
+                         "recipe": options.recipe}
+    manifest.results = {"objective": result["objective"], "predicted": result["predicted"],
+                        "choices": result["choices"], "evaluation": evaluation, "num_params": n_params}
+    child.generation_config = loaded.model.generation_config
+    out = save_model(child, loaded.tokenizer, options.out, manifest, overwrite=options.overwrite)
+    return {"out": str(out), "num_params": n_params, "evaluation": evaluation}
