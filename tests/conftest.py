@@ -8,7 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+import os
+
 REPO = Path(__file__).resolve().parents[1]
+# The user's real cache, where `make test`'s setup put the converted default model.
+REAL_CACHE = os.environ.get("MLXKIT_CACHE")
 SHARED_DATA = REPO.parent / "shared" / "data"
 
 
@@ -59,6 +63,15 @@ def make_char_tokenizer(vocab_size: int = 128):
     tok.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
                                    pad_token="</s>")
+
+
+@pytest.fixture
+def real_cache(monkeypatch):
+    """Slow tests read the real default model from the user's cache instead of converting it again."""
+    if REAL_CACHE is None:
+        monkeypatch.delenv("MLXKIT_CACHE", raising=False)
+    else:
+        monkeypatch.setenv("MLXKIT_CACHE", REAL_CACHE)
 
 
 @pytest.fixture
