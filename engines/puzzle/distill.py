@@ -299,11 +299,25 @@ def _write_index(parent, space: SearchSpace, library: LibraryDir, options: Disti
         "seed": options.seed,
         "layers": layers,
     }
+    _price_for_default_target(index)
     summary = summarise(index)
     manifest.results = {k: v for k, v in summary.items() if k != "per_layer"}
     library.write_index(index)
     manifest.write(library.root)
     return index
+
+
+def _price_for_default_target(index: dict[str, Any]) -> None:
+    """Predicted stats of every variant (NVlabs/puzzle vocabulary) on the default target and scenario.
+
+    `mlx search` re-prices for its own target; these make the library comparable as written.
+    """
+    from mlxkit.engines.puzzle.hw_profile import load_profile
+    from mlxkit.engines.puzzle.library_pricing import price_library
+    from mlxkit.engines.puzzle.search import default_scenario
+
+    profile = load_profile("h100")
+    price_library(index, profile, default_scenario(profile, None))
 
 
 def summarise(index: dict[str, Any]) -> dict[str, Any]:
