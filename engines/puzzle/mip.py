@@ -22,6 +22,7 @@ with `status="feasible"` and emits `SolverWarning`.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import warnings
@@ -33,6 +34,15 @@ from mlxkit.engines.errors import BackendError, InfeasibleError, InputError
 
 class SolverWarning(UserWarning):
     """A solve stopped early (time limit) or returned fewer diverse solutions than asked for."""
+
+
+@contextlib.contextmanager
+def _quiet_pulp():
+    """PuLP 3.x deprecates the 2.x API (LpVariable(), PULP_CBC_CMD, the constraints mapping) in favour
+    of 4.0 names that 2.x lacks; we support both, so its DeprecationWarnings are noise for users."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"pulp(\..*)?")
+        yield
 
 
 @dataclass(frozen=True)
@@ -152,7 +162,6 @@ class Solver:
                  time_limit_s: float | None, threads: int | None, gap: float | None) -> None:
         self.problem, self._model, self._x = problem, model, x
         self.time_limit_s, self.threads, self.gap = time_limit_s, threads, gap
-        self._rows: list[str] = []
         self._counter = 0
 
     @classmethod
@@ -165,6 +174,12 @@ class Solver:
         """
         import pulp
 
+        with _quiet_pulp():
+            return cls._build(pulp, problem, time_limit_s, threads, gap)
+
+    @classmethod
+    def _build(cls, pulp: Any, problem: SearchProblem, time_limit_s: float | None, threads: int | None,
+               gap: float | None) -> "Solver":
         model = pulp.LpProblem("puzzle", pulp.LpMaximize if problem.bigger_is_better else pulp.LpMinimize)
         x: dict[tuple[int, int], Any] = {}
         for gi, group in enumerate(problem.groups):
@@ -202,7 +217,7 @@ class Solver:
             raise InputError(f"minimum distance must be between 1 and {len(layers)} layers (got {min_distance})")
         self._check_caps(caps)
         solutions: list[Solution] = []
-        try:
+        with _quiet_pulp(), self._working_copy():
             self._add_cap_rows(caps)
             for index in range(k):
                 solution = self._solve_once(time_limit_s)
@@ -215,8 +230,6 @@ class Solver:
                 solutions.append(solution)
                 if index + 1 < k:
                     self._add_diversity_row(solution, len(layers) - min_distance)
-        finally:
-            self._remove_rows()
         return solutions
 
     # ---- internals
@@ -266,14 +279,22 @@ class Solver:
 
     def _add_row(self, row: Any, prefix: str) -> None:
         self._counter += 1
-        name = f"{prefix}_{self._counter}"
-        self._model += (row, name)
-        self._rows.append(name)
+        self._model += (row, f"{prefix}_{self._counter}")
 
-    def _remove_rows(self) -> None:
-        for name in self._rows:
-            self._model.constraints.pop(name, None)
-        self._rows.clear()
+    @contextlib.contextmanager
+    def _working_copy(self):
+        """Cap and diversity rows go on a shallow copy that lives for one `solve_many` call.
+
+        The copy shares the binaries, one-hot rows and objective with the built model, so
+        nothing is rebuilt; dropping it drops the rows and any auxiliary variables (PuLP 3
+        keeps variables registered on a model, so deleting rows in place would leave orphans).
+        """
+        built = self._model
+        self._model = built.copy()
+        try:
+            yield
+        finally:
+            self._model = built
 
     def _solve_once(self, time_limit_s: float | None) -> Solution | None:
         import pulp

@@ -1,0 +1,354 @@
+"""`mlx calibrate`: measure block variants on the local device and refit a hardware profile.
+
+Method (ModelOpt-style differencing, see the Puzzle brief §5)
+-------------------------------------------------------------
+For every distinct variant V of the search space a small random-weight model is built:
+one parent layer followed by `copies` layers that hold only V (an attention variant with a
+no-op FFN, or an FFN variant with no-op attention). A *base* model holds the parent layer
+alone. Timing those models, rather than the layer modules in isolation, keeps the real
+cache, masks, rotary embeddings and per-op dispatch in the measurement; the cost of V is
+`(T(base + copies·V) − T(base)) / copies`, and the base model itself measures the
+non-block costs (embedding, LM head, per-step overhead).
+
+The fit does not use those differences: it fits the profile so that the cost model
+predicts the *whole* small-model times (all positive, all well above timer noise), by
+least squares on log-ratios. The real parent model (weights loaded) is timed too, and is
+held out of the fit: its decode-step latency is the report's headline check.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime as _dt
+import json
+import platform
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from mlxkit.engines.calibrate.fit import FIT_PARAMS, fit_profile
+from mlxkit.engines.calibrate.timing import Timing, time_model
+from mlxkit.engines.core.atomic import atomic_write_text
+from mlxkit.engines.core.progress import Reporter
+from mlxkit.engines.errors import BackendError, InputError
+from mlxkit.engines.puzzle.costs import MIB, CostModel, Scenario
+from mlxkit.engines.puzzle.hw_profile import HardwareProfile, load_profile
+from mlxkit.engines.puzzle.variants import (AttentionVariant, BlockChoice, FFNVariant, ParentShape,
+                                            parent_attention, parent_ffn)
+
+_TORCH_TO_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+@dataclass
+class CalibrationSettings:
+    model: str = "smollm2-135m"
+    device: str = "cpu"
+    batches: Sequence[int] = (1, 4)
+    seqs: Sequence[int] = (64, 256)
+    copies: int = 6
+    decode_steps: int = 8
+    warmup: int = 1
+    repeats: int = 3
+    dtype: str = "float32"
+    base_profile: str | None = None  # default: "cpu" on CPU; the matching GPU profile on CUDA
+    attention: Sequence[AttentionVariant] | None = None
+    ffn: Sequence[FFNVariant] | None = None
+    fit: Sequence[str] = tuple(FIT_PARAMS)
+    seed: int = 0
+
+
+@dataclass
+class _Run:
+    label: str
+    kind: str  # "base", "attention", "ffn", "model"
+    variant: Any
+    layers: list[BlockChoice]
+    batch: int
+    seq: int
+    timing: Timing | None = None
+
+
+@dataclass
+class CalibrationResult:
+    profile: HardwareProfile
+    profile_path: Path
+    report_path: Path
+    report: dict[str, Any] = field(default_factory=dict)
+
+
+def calibration_variants(parent: ParentShape) -> tuple[list[AttentionVariant], list[FFNVariant]]:
+    """The default variants timed: the parent and smaller KV-head counts, linear; FFN at 100/75/50/25 %, linear.
+
+    No-op subblocks cost nothing by construction and are not timed.
+    """
+    kv = [n for n in range(parent.num_key_value_heads, 0, -1)
+          if parent.num_attention_heads % n == 0 and parent.num_key_value_heads % n == 0]
+    kv = sorted(set([kv[0], *kv[1:][-3:]]), reverse=True)  # the parent plus at most three smaller
+    attention = [AttentionVariant("gqa", n) for n in kv] + [AttentionVariant("linear")]
+    widths = []
+    for fraction in (1.0, 0.75, 0.5, 0.25):
+        width = parent.intermediate_size if fraction == 1.0 else max(64, int(round(parent.intermediate_size * fraction / 64)) * 64)
+        if width not in widths:
+            widths.append(width)
+    ffn = [FFNVariant("mlp", w) for w in widths] + [FFNVariant("linear")]
+    return attention, ffn
+
+
+def describe_device(device: str) -> str:
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    name = platform.processor() or "cpu"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{name}, {torch.get_num_threads()} threads"
+
+
+def _default_base(device: str) -> str:
+    if not device.startswith("cuda"):
+        return "cpu"
+    import torch
+
+    name = torch.cuda.get_device_name(torch.device(device)).lower()
+    for key, profile in (("h200", "h200"), ("h100 pcie", "h100-pcie"), ("h100", "h100"), ("a100", "a100-80gb"),
+                         ("l40s", "l40s")):
+        if key in name:
+            return profile
+    raise InputError(f"no packaged profile matches '{name}'; pass --base with the closest one")
+
+
+def _build(parent_config, choices: list[BlockChoice], dtype, device, seed: int):
+    """A random-weight child with these layers (timing does not depend on weight values)."""
+    import torch
+
+    from mlxkit.engines.models.decilm.convert import child_config
+    from mlxkit.engines.models.decilm.modeling_mlx_decilm import MlxDeciLMForCausalLM
+
+    config = copy.deepcopy(parent_config)
+    config.num_hidden_layers = len(choices)
+    if hasattr(config, "layer_types") and getattr(config, "layer_types", None) is not None \
+            and config.model_type != "mlx_decilm":
+        config.layer_types = list(config.layer_types)[:1] * len(choices)
+    child = child_config(config, choices)
+    child._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = MlxDeciLMForCausalLM(child)
+    return model.to(dtype=dtype, device=device).eval()
+
+
+def predict_model_ms(profile: HardwareProfile, parent: ParentShape, layers: Iterable[BlockChoice], batch: int,
+                     seq: int, decode_ctx: float, weight_dtype: str) -> tuple[float, float]:
+    """The cost model's prefill and decode-step times (ms) of a model made of `layers`."""
+    cm = CostModel(parent, profile, Scenario(batch, seq, 2, weight_dtype, weight_dtype))
+    prefill = cm.non_block_step_ms(batch, seq)
+    decode = cm.non_block_step_ms(batch, 1)
+    for choice, count in Counter(layers).items():
+        prefill += count * (float(cm.attention_step_ms(choice.attention, batch, seq, seq)) +
+                            cm.ffn_step_ms(choice.ffn, batch, seq))
+        decode += count * (float(cm.attention_step_ms(choice.attention, batch, 1, decode_ctx)) +
+                           cm.ffn_step_ms(choice.ffn, batch, 1))
+    return prefill, decode
+
+
+def _predict_variant_ms(profile: HardwareProfile, parent: ParentShape, run: _Run, decode_ctx: float,
+                        weight_dtype: str) -> tuple[float, float]:
+    cm = CostModel(parent, profile, Scenario(run.batch, run.seq, 2, weight_dtype, weight_dtype))
+    if run.kind == "attention":
+        return (float(cm.attention_step_ms(run.variant, run.batch, run.seq, run.seq)),
+                float(cm.attention_step_ms(run.variant, run.batch, 1, decode_ctx)))
+    return cm.ffn_step_ms(run.variant, run.batch, run.seq), cm.ffn_step_ms(run.variant, run.batch, 1)
+
+
+def _rel(pred: float, meas: float) -> float | None:
+    return (pred - meas) / meas if meas > 0 else None
+
+
+def run_calibrate(settings: CalibrationSettings, out: str | Path, *, overwrite: bool = False,
+                  reporter: Reporter | None = None) -> CalibrationResult:
+    """Time the variants, fit the profile, and write `out` (YAML) plus `<stem>.report.json` beside it."""
+    import torch
+
+    from mlxkit.engines.models.decilm.convert import from_parent
+    from mlxkit.engines.models.loading import load_model
+
+    reporter = reporter or Reporter()
+    out = Path(out)
+    if out.suffix not in (".yaml", ".yml"):
+        raise InputError(f"--out must be a .yaml file (got '{out}')")
+    if out.exists() and not overwrite:
+        raise InputError(f"'{out}' already exists (pass --overwrite to replace it)")
+    if settings.copies < 1 or settings.repeats < 1 or settings.decode_steps < 1:
+        raise InputError("copies, repeats and decode steps must all be ≥ 1")
+    if not settings.batches or not settings.seqs or min(settings.batches) < 1 or min(settings.seqs) < 1:
+        raise InputError("batch sizes and sequence lengths must be positive")
+    if settings.device.startswith("cuda") and not torch.cuda.is_available():
+        raise BackendError("--device cuda was asked for, but torch sees no CUDA device")
+    if settings.dtype not in _TORCH_TO_DTYPE:
+        raise InputError(f"dtype must be one of {', '.join(_TORCH_TO_DTYPE)}")
+    device = torch.device(settings.device)
+    dtype = getattr(torch, settings.dtype)
+    weight_dtype = _TORCH_TO_DTYPE[settings.dtype]
+    base = load_profile(settings.base_profile or _default_base(settings.device))
+
+    reporter.notice(f"loading {settings.model}")
+    loaded = load_model(settings.model, with_tokenizer=False, reporter=reporter)
+    parent_model = from_parent(loaded.model).to(dtype=dtype, device=device).eval()
+    parent_config = loaded.model.config
+    parent = ParentShape.from_config(parent_config)
+    del loaded
+    default_attention, default_ffn = calibration_variants(parent)
+    attention = list(settings.attention or default_attention)
+    ffn = list(settings.ffn or default_ffn)
+    for v in attention:
+        v.validate(parent)
+    for v in ffn:
+        v.validate(parent)
+    parent_block = BlockChoice(parent_attention(parent), parent_ffn(parent))
+
+    models: list[tuple[str, str, Any, list[BlockChoice]]] = [("base", "base", None, [parent_block])]
+    for v in attention:
+        if v.kind != "no_op":
+            models.append((v.name, "attention", v, [parent_block] + [BlockChoice(v, FFNVariant("no_op"))] * settings.copies))
+    for v in ffn:
+        if v.kind != "no_op":
+            models.append((v.name, "ffn", v, [parent_block] + [BlockChoice(AttentionVariant("no_op"), v)] * settings.copies))
+
+    runs: list[_Run] = []
+    timing_kwargs = dict(decode_steps=settings.decode_steps, warmup=settings.warmup, repeats=settings.repeats,
+                         seed=settings.seed)
+    total = (len(models) + 1) * len(settings.batches) * len(settings.seqs)
+    with reporter.task("timing variants", total=total) as task:
+        for label, kind, variant, layers in models:
+            model = _build(parent_config, layers, dtype, device, settings.seed)
+            for batch in settings.batches:
+                for seq in settings.seqs:
+                    run = _Run(label, kind, variant, layers, batch, seq)
+                    run.timing = time_model(model, batch, seq, **timing_kwargs)
+                    runs.append(run)
+                    task.update(model=label, batch=batch, seq=seq)
+                    task.advance()
+            del model
+        parent_layers = [parent_block] * parent.num_layers
+        for batch in settings.batches:
+            for seq in settings.seqs:
+                run = _Run("model", "model", None, parent_layers, batch, seq)
+                run.timing = time_model(parent_model, batch, seq, **timing_kwargs)
+                runs.append(run)
+                task.update(model="whole model", batch=batch, seq=seq)
+                task.advance()
+
+    return _fit_and_write(runs, parent, base, settings, weight_dtype, out, reporter)
+
+
+def _fit_and_write(runs: list[_Run], parent: ParentShape, base: HardwareProfile, settings: CalibrationSettings,
+                   weight_dtype: str, out: Path, reporter: Reporter) -> CalibrationResult:
+    """Fit the profile to the small-model timings, then write the profile and the report."""
+    import torch
+
+    fit_runs = [r for r in runs if r.kind != "model"]
+    measured = [v for r in fit_runs for v in (r.timing.prefill_ms, r.timing.decode_ms)]  # type: ignore[union-attr]
+
+    def predict(profile: HardwareProfile) -> np.ndarray:
+        values = []
+        for r in fit_runs:
+            values.extend(predict_model_ms(profile, parent, r.layers, r.batch, r.seq, r.timing.decode_ctx,  # type: ignore[union-attr]
+                                           weight_dtype))
+        return np.array(values)
+
+    reporter.notice(f"fitting {', '.join(settings.fit)} to {len(measured)} timings")
+    bounds = None if not settings.device.startswith("cuda") else {k: (1e-3, 1.0) for k in ("matmul", "memory", "attention")}
+    fit = fit_profile(base, predict, measured, fit=settings.fit, bounds=bounds)
+
+    device_name = describe_device(settings.device)
+    today = _dt.date.today().isoformat()
+    note = (f"measured by mlx calibrate on {device_name} ({today}; model {settings.model}, {settings.dtype}, "
+            f"batches {list(settings.batches)}, prompt lengths {list(settings.seqs)}): least-squares fit over "
+            f"{len(measured)} prefill/decode timings")
+    sources = dict(base.sources)
+    for name in settings.fit:
+        sources["efficiency" if name in ("matmul", "memory", "attention") else name] = note
+    profile = fit.profile.model_copy(update={
+        "name": out.stem,
+        "description": f"{base.description}; refitted by mlx calibrate on {device_name}",
+        "sources": sources,
+        "calibration": {"date": today, "model": settings.model, "device": device_name, "dtype": settings.dtype,
+                        "batches": list(settings.batches), "prompt_lengths": list(settings.seqs),
+                        "copies": settings.copies, "decode_steps": settings.decode_steps,
+                        "repeats": settings.repeats, "torch": str(torch.__version__), "base_profile": base.name,
+                        "fit_rms_log_error": round(fit.rms_log_error, 4),
+                        "fit_max_rel_error": round(fit.max_abs_rel_error, 4)},
+    })
+    report = _report(profile, parent, runs, settings, weight_dtype, fit.params)
+    report.update(profile=str(out), device=device_name, date=today, model=settings.model)
+    report_path = out.with_name(out.stem + ".report.json")
+    atomic_write_text(out, "# Written by `mlx calibrate` (see engines/puzzle/hw_profile.py for the fields).\n" +
+                      profile.to_yaml())
+    atomic_write_text(report_path, json.dumps(report, indent=2) + "\n")
+    return CalibrationResult(profile, out, report_path, report)
+
+
+def _report(profile: HardwareProfile, parent: ParentShape, runs: list[_Run], settings: CalibrationSettings,
+            weight_dtype: str, params: dict[str, float]) -> dict[str, Any]:
+    base = {(r.batch, r.seq): r.timing for r in runs if r.kind == "base"}
+    variants = []
+    for r in runs:
+        if r.kind not in ("attention", "ffn"):
+            continue
+        t, b = r.timing, base[(r.batch, r.seq)]
+        assert t is not None and b is not None
+        pred_prefill, pred_decode = _predict_variant_ms(profile, parent, r, t.decode_ctx, weight_dtype)
+        meas_prefill = (t.prefill_ms - b.prefill_ms) / settings.copies
+        meas_decode = (t.decode_ms - b.decode_ms) / settings.copies
+        variants.append({"variant": r.label, "kind": r.kind, "batch": r.batch, "seq": r.seq,
+                         "prefill_ms": {"predicted": pred_prefill, "measured": meas_prefill,
+                                        "rel_error": _rel(pred_prefill, meas_prefill)},
+                         "decode_step_ms": {"predicted": pred_decode, "measured": meas_decode,
+                                            "rel_error": _rel(pred_decode, meas_decode)}})
+    whole = []
+    for r in runs:
+        if r.kind != "model":
+            continue
+        t = r.timing
+        assert t is not None
+        pred_prefill, pred_decode = predict_model_ms(profile, parent, r.layers, r.batch, r.seq, t.decode_ctx,
+                                                     weight_dtype)
+        tokens = r.seq + settings.decode_steps
+        kv_pred = r.batch * tokens * 2 * parent.num_key_value_heads * parent.head_dim * parent.num_layers * \
+            _bytes(weight_dtype)
+        cm = CostModel(parent, profile, Scenario(r.batch, r.seq, settings.decode_steps + 1, weight_dtype, weight_dtype))
+        weights_pred = cm.parent_model().num_params * _bytes(weight_dtype)
+        memory = {"weights_mib": {"predicted": weights_pred / MIB, "measured": t.weights_bytes / MIB},
+                  "kv_cache_mib": {"predicted": kv_pred / MIB, "measured": t.kv_cache_bytes / MIB}}
+        if t.peak_bytes is not None:
+            memory["peak_mib"] = {"predicted": cm.parent_model().memory_mib, "measured": t.peak_bytes / MIB}
+        whole.append({"batch": r.batch, "seq": r.seq,
+                      "prefill_ms": {"predicted": pred_prefill, "measured": t.prefill_ms,
+                                     "rel_error": _rel(pred_prefill, t.prefill_ms)},
+                      "decode_step_ms": {"predicted": pred_decode, "measured": t.decode_ms,
+                                         "rel_error": _rel(pred_decode, t.decode_ms)},
+                      "memory": memory})
+    decode_errors = [abs(w["decode_step_ms"]["rel_error"]) for w in whole]
+    prefill_errors = [abs(w["prefill_ms"]["rel_error"]) for w in whole]
+    timings = [{"model": r.label, "kind": r.kind, "batch": r.batch, "seq": r.seq,
+                "prefill_ms": r.timing.prefill_ms, "decode_step_ms": r.timing.decode_ms,  # type: ignore[union-attr]
+                "decode_ctx": r.timing.decode_ctx, "layers": len(r.layers)} for r in runs]  # type: ignore[union-attr]
+    return {"fitted": {k: round(v, 6) for k, v in params.items()},
+            "variants": variants, "whole_model": whole, "timings": timings,
+            "summary": {"whole_model_decode_max_abs_rel_error": max(decode_errors) if decode_errors else None,
+                        "whole_model_prefill_max_abs_rel_error": max(prefill_errors) if prefill_errors else None,
+                        "held_out": "whole-model timings are not used by the fit"}}
+
+
+def _bytes(dtype: str) -> float:
+    from mlxkit.engines.puzzle.hw_profile import DTYPE_BYTES
+
+    return DTYPE_BYTES[dtype]
