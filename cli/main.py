@@ -43,6 +43,7 @@ def _quiet_third_party_output() -> None:
 
 
 def _register() -> None:
+    from mlxkit.cli import calibrate
     from mlxkit.cli import distill
     from mlxkit.cli import eval as eval_cmd
     from mlxkit.cli import fetch
@@ -50,6 +51,7 @@ def _register() -> None:
     from mlxkit.cli import search
     from mlxkit.cli import solve
 
+    app.command("calibrate", help=calibrate.__doc__)(calibrate.calibrate_command)
     app.command("distill", help=distill.__doc__)(distill.distill_command)
     app.command("eval", help=eval_cmd.__doc__)(eval_cmd.eval_command)
     app.command("fetch", help=fetch.__doc__)(fetch.fetch_command)

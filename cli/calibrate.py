@@ -1,0 +1,83 @@
+"""Time block variants on this device and fit a hardware profile for the Puzzle cost model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from mlxkit.cli._errors import fail, guarded
+from mlxkit.cli._options import JsonOpt, QuietOpt, SeedOpt, VerboseOpt, console, emit_json, make_reporter
+
+
+def _ints(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.replace(" ", "").split(",") if v)
+    except ValueError:
+        raise fail(f"{flag} takes comma-separated integers (got '{text}')") from None
+    if not values or min(values) < 1:
+        raise fail(f"{flag} needs positive integers (got '{text}')")
+    return values
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:+.1%}"
+
+
+@guarded
+def calibrate_command(
+    out: Annotated[Path, typer.Option("--out", "-o", help="Profile to write, e.g. hw_profiles/mybox.yaml "
+                                                          "(a NAME.report.json is written beside it).")],
+    model: Annotated[str, typer.Option("--model", "-m", help="Parent whose variants are timed: HF directory, hub "
+                                                             "id, or 'smollm2-135m'.")] = "smollm2-135m",
+    device: Annotated[str, typer.Option("--device", help="cpu or cuda[:N].")] = "cpu",
+    batch: Annotated[str, typer.Option("--batch", help="Batch sizes to time, comma-separated.")] = "1,4",
+    seq: Annotated[str, typer.Option("--seq", help="Prompt lengths to time, comma-separated.")] = "32,128",
+    base: Annotated[Optional[str], typer.Option("--base", help="Profile to start from (peaks, bandwidth, sources). "
+                                                               "Default: cpu, or the GPU's own profile.")] = None,
+    copies: Annotated[int, typer.Option("--copies", min=1, help="Copies of a variant per timed model.")] = 4,
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed repeats (the median is kept).")] = 3,
+    decode_steps: Annotated[int, typer.Option("--decode-steps", min=1, help="Decode steps per repeat.")] = 8,
+    dtype: Annotated[str, typer.Option("--dtype", help="float32, bfloat16 or float16.")] = "float32",
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing profile.")] = False,
+    seed: SeedOpt = 0,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    from mlxkit.engines.calibrate.run import CalibrationSettings, run_calibrate
+
+    if not device.startswith(("cpu", "cuda")):
+        raise fail(f"--device must be cpu or cuda[:N] (got '{device}')")
+    settings = CalibrationSettings(model=model, device=device, batches=_ints(batch, "--batch"),
+                                   seqs=_ints(seq, "--seq"), copies=copies, repeats=repeats,
+                                   decode_steps=decode_steps, dtype=dtype, base_profile=base, seed=seed)
+    result = run_calibrate(settings, out, overwrite=overwrite, reporter=make_reporter(json_out, quiet, verbose))
+    report = result.report
+    if json_out:
+        emit_json({"profile": str(result.profile_path), "report": str(result.report_path),
+                   "fitted": report["fitted"], "summary": report["summary"], "whole_model": report["whole_model"]})
+        return
+    if not quiet:
+        table = Table(title=f"variants on {report['device']}: predicted vs measured (ms)")
+        for column in ("variant", "batch", "prompt", "prefill pred", "prefill meas", "err",
+                       "decode pred", "decode meas", "err"):
+            table.add_column(column, justify="left" if column == "variant" else "right")
+        for row in report["variants"]:
+            p, d = row["prefill_ms"], row["decode_step_ms"]
+            table.add_row(row["variant"], str(row["batch"]), str(row["seq"]), f"{p['predicted']:.3f}",
+                          f"{p['measured']:.3f}", _pct(p["rel_error"]), f"{d['predicted']:.3f}",
+                          f"{d['measured']:.3f}", _pct(d["rel_error"]))
+        for row in report["whole_model"]:
+            p, d = row["prefill_ms"], row["decode_step_ms"]
+            table.add_row("[bold]whole model[/bold]", str(row["batch"]), str(row["seq"]), f"{p['predicted']:.2f}",
+                          f"{p['measured']:.2f}", _pct(p["rel_error"]), f"{d['predicted']:.2f}",
+                          f"{d['measured']:.2f}", _pct(d["rel_error"]))
+        console.print(table)
+        fitted = ", ".join(f"{k}={v:.4g}" for k, v in report["fitted"].items())
+        console.print(f"fitted: {fitted}")
+        worst = report["summary"]["whole_model_decode_max_abs_rel_error"]
+        console.print(f"whole-model decode latency, worst error (held out of the fit): {worst:.1%}")
+    console.print(f"wrote {result.profile_path} and {result.report_path}")
