@@ -42,8 +42,8 @@ def infer_grid(a: sp.spmatrix) -> tuple[int, int] | None:
 
     Examples
     --------
-    >>> t = sp.diags([-1, 2, -1], [-1, 0, 1], shape=(6, 6))
-    >>> lap = sp.kronsum(t, sp.diags([-1, 2, -1], [-1, 0, 1], shape=(4, 4)))  # H=4 rows of W=6
+    >>> t = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(6, 6))
+    >>> lap = sp.kronsum(t, sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(4, 4)))  # H=4 rows of W=6
     >>> infer_grid(lap.tocsr())
     (4, 6)
     """

@@ -5,8 +5,9 @@ Two facts about torch's CPU LAPACK bindings shape this module (measured with tor
 * `torch.linalg.lu_factor` on a *batch* of matrices of order >= ~150 with more than one intra-op
   thread returns wrong factors (invalid pivots, oneMKL "DLASWP" errors). Single matrices are fine, so
   large blocks are factorised one at a time.
-* Batched LAPACK calls on many small matrices run ~10x slower with 2 threads than with 1
-  (thread start-up per tiny call), so those calls run single-threaded.
+* Batched LAPACK calls (`lu_solve` above all) run ~10x slower with 2 threads than with 1, so
+  levels of many small blocks run single-threaded (`one_thread`), and with several threads a batch
+  of large blocks is solved one matrix at a time, each call using every thread.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import torch
 
 # Order from which a batch is factorised matrix by matrix (see the module docstring).
 _LOOP_FROM = 64
-# Levels whose blocks are all below this order are overhead-bound and run on one thread.
-SMALL = 128
+# Only levels with a few blocks of at least this order run multi-threaded (ssi.py).
+SMALL = 512
 
 
 @contextlib.contextmanager
@@ -73,6 +74,15 @@ def lu_solve(lu: torch.Tensor, piv: torch.Tensor, rhs: torch.Tensor, adjoint: bo
     """Solve `A X = rhs` (or `A^T X = rhs` with `adjoint`) from `lu_factor`'s output."""
     if rhs.shape[-1] == 0 or lu.shape[-1] == 0:
         return rhs.clone()
+    n = lu.shape[-1]
+    count = lu[..., 0, 0].numel()
+    if lu.device.type == "cpu" and count > 1 and torch.get_num_threads() > 1:
+        # Multi-threaded batched lu_solve is ~10x slower than one matrix at a time (see module docstring).
+        flat_lu, flat_piv = lu.reshape(-1, n, n), piv.reshape(-1, n)
+        flat_rhs = rhs.expand(*lu.shape[:-2], *rhs.shape[-2:]).reshape(-1, *rhs.shape[-2:])
+        out = torch.stack([torch.linalg.lu_solve(flat_lu[k], flat_piv[k], flat_rhs[k], adjoint=adjoint)
+                           for k in range(count)])
+        return out.reshape(*lu.shape[:-2], *rhs.shape[-2:])
     return torch.linalg.lu_solve(lu, piv, rhs, adjoint=adjoint)
 
 

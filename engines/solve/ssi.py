@@ -247,8 +247,9 @@ class SSIFactor:
             t0 = time.perf_counter()
             blocks, idx = [], []
             parts: list[list[torch.Tensor]] = [[] for _ in step.groups]
-            if max(mg.size for mg in step.merges) >= SMALL:
-                small_levels.close()  # large blocks from here on: back to all threads
+            blocks_here = self.batch * sum(mg.count for mg in step.merges)
+            if max(mg.size for mg in step.merges) >= SMALL and blocks_here <= 8:
+                small_levels.close()  # a few large blocks from here on: threads pay off inside each
             for mg in step.merges:
                 il, ir = self._index(mg.index_left), self._index(mg.index_right)
                 pl, pr = self._index(mg.left_pos), self._index(mg.right_pos)
