@@ -39,6 +39,16 @@ def task_vectors(shape, tasks: int, seed: int) -> list[torch.Tensor]:
     return [(0.7 * shared + torch.randn(shape, generator=gen)) * 1e-3 for _ in range(tasks)]
 
 
+def report(row: dict, totals: dict) -> None:
+    totals[row["method"]][0] += row["official_s"]
+    totals[row["method"]][1] += row["ours_s"]
+    m, n = row["shape"]
+    e = "n/a" if row["rel_err"] is None else f"{row['rel_err']:.1e}"
+    note = f"  ({row['note']})" if row.get("note", "measured") != "measured" else ""
+    print(f"{row['method']:8s} {m}x{n:<6d} official {row['official_s']:8.1f} s  ours {row['ours_s']:7.1f} s  "
+          f"speedup {row['official_s'] / row['ours_s']:5.2f}x  rel.err {e}{note}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tasks", type=int, default=4)
@@ -57,6 +67,7 @@ def main() -> None:
         t_ref, ref = timed(linalg.iso_c_reference, total)
         t_fast, fast = timed(linalg.iso_c_fast, total)
         rows.append({"shape": shape, "method": "iso-c", "official_s": t_ref, "ours_s": t_fast, "rel_err": rel(fast, ref)})
+        report(rows[-1], totals)
         del ref, fast
         t_fast, fast = timed(linalg.iso_cts_fast, deltas)
         if args.compose_largest and shape == largest:
@@ -71,14 +82,8 @@ def main() -> None:
             del ref
         rows.append({"shape": shape, "method": "iso-cts", "official_s": t_ref, "ours_s": t_fast, "rel_err": err,
                      "note": note})
+        report(rows[-1], totals)
         del fast
-        for row in rows[-2:]:
-            totals[row["method"]][0] += row["official_s"]
-            totals[row["method"]][1] += row["ours_s"]
-            e = "n/a" if row["rel_err"] is None else f"{row['rel_err']:.1e}"
-            print(f"{row['method']:8s} {shape[0]}x{shape[1]:<6d} official {row['official_s']:8.1f} s  ours "
-                  f"{row['ours_s']:7.1f} s  speedup {row['official_s'] / row['ours_s']:5.2f}x  rel.err {e}"
-                  f"{'  (' + row['note'] + ')' if row.get('note', 'measured') != 'measured' else ''}", flush=True)
     for method, (off, ours) in totals.items():
         print(f"TOTAL {method:8s} official {off:8.1f} s  ours {ours:7.1f} s  speedup {off / ours:5.2f}x")
     if args.json:

@@ -52,7 +52,8 @@ def iso_cts_reference(deltas: list[torch.Tensor], common_frac: float = 0.8) -> t
     k, s = common_rank(r, len(deltas), common_frac)
     u, sv, vh = torch.linalg.svd(total, full_matrices=False)
     uc, sc, vhc = u[:, :k], sv[:k], vh[:k]
-    ucat, scat, vhcat = torch.zeros(m, r), torch.zeros(r), torch.zeros(r, n)
+    kw = {"device": total.device}
+    ucat, scat, vhcat = torch.zeros(m, r, **kw), torch.zeros(r, **kw), torch.zeros(r, n, **kw)
     for i, d in enumerate(deltas):
         resid = d - uc @ (uc.T @ d)
         ut, st, vht = torch.linalg.svd(resid, full_matrices=False)
@@ -124,16 +125,17 @@ def _polar_rows_lowrank(vt: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
     p = vt.shape[0]
     b = vt @ vc.T                                           # p × k
     qb, _ = torch.linalg.qr(b.T)                            # k × p, orthonormal basis of range(Bᵀ)
-    core = torch.zeros(2 * p, 2 * p, dtype=vt.dtype, device=vt.device)
+    size = p + qb.shape[1]                                  # qb has min(k, p) columns
+    core = torch.zeros(size, size, dtype=vt.dtype, device=vt.device)
     core[:p, :p] = vt @ vt.T - torch.eye(p, dtype=vt.dtype, device=vt.device)
     core[:p, p:] = b @ qb
     core[p:, :p] = core[:p, p:].T
     mu, y = torch.linalg.eigh(core)
     one_plus = (1 + mu).clamp_min(0)
     f = torch.where(one_plus > _RCOND, one_plus.rsqrt(), torch.zeros_like(one_plus)) - 1
-    m = (y * f) @ y.T                                       # 2p × 2p
-    zt_x = torch.cat([vt, qb.T @ vc], dim=0)                # Zᵀ X, 2p × n
-    corr = m @ zt_x                                         # 2p × n, still in Z coordinates
+    m = (y * f) @ y.T                                       # size × size
+    zt_x = torch.cat([vt, qb.T @ vc], dim=0)                # Zᵀ X, size × n
+    corr = m @ zt_x                                         # size × n, still in Z coordinates
     top = vt + corr[:p]
     bottom = vc + qb @ corr[p:]
     return torch.cat([top, bottom], dim=0)
