@@ -100,3 +100,19 @@ def _sample_text() -> str:
 
 def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
+
+
+TINY_PUZZLE_RECIPE = """
+name: tiny
+search_space: {ffn_fractions: [1.0, 0.5], width_multiple: 8}
+data: {seq_len: 32, train_sequences: 8, score_sequences: 2}
+bld: {tokens_per_block: 1024, batch_sequences: 4, lr: 1.0e-3}
+"""
+
+
+@pytest.fixture
+def tiny_recipe_file(tmp_path) -> Path:
+    """A Puzzle recipe sized for the tiny Llama: 4 attention and 4 FFN variants per layer."""
+    path = tmp_path / "tiny.yaml"
+    path.write_text(TINY_PUZZLE_RECIPE)
+    return path

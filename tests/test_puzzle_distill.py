@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,31 +21,18 @@ from mlxkit.engines.puzzle.library import LibraryDir, read_library
 from mlxkit.engines.puzzle.variants import AttentionVariant, BlockChoice, FFNVariant, ParentShape
 
 runner = CliRunner()
-RECIPE = """
-name: tiny
-search_space: {ffn_fractions: [1.0, 0.5], width_multiple: 8}
-data: {seq_len: 32, train_sequences: 8, score_sequences: 2}
-bld: {tokens_per_block: 1024, batch_sequences: 4, lr: 1.0e-3}
-"""
 
 
-@pytest.fixture
-def recipe_file(tmp_path) -> Path:
-    path = tmp_path / "tiny.yaml"
-    path.write_text(RECIPE)
-    return path
-
-
-def _distill(model_dir, recipe_file, text_file, out, *extra):
-    result = runner.invoke(app, ["distill", "--bld", "--model", str(model_dir), "--recipe", str(recipe_file),
+def _distill(model_dir, tiny_recipe_file, text_file, out, *extra):
+    result = runner.invoke(app, ["distill", "--bld", "--model", str(model_dir), "--recipe", str(tiny_recipe_file),
                                  "--data", str(text_file), "--out", str(out), "--json", *extra])
     assert result.exit_code == 0, result.output
     return json.loads(result.stdout)
 
 
-def test_library_is_built_scored_and_resumable(tiny_llama_dir, recipe_file, text_file, tmp_path):
+def test_library_is_built_scored_and_resumable(tiny_llama_dir, tiny_recipe_file, text_file, tmp_path):
     out = tmp_path / "lib"
-    summary = _distill(tiny_llama_dir, recipe_file, text_file, out)
+    summary = _distill(tiny_llama_dir, tiny_recipe_file, text_file, out)
     library = read_library(out)
     layer0 = library["layers"][0]
     assert set(layer0["attention"]) == {"kv2", "kv1", "linear", "no_op"}
@@ -72,7 +58,7 @@ def test_library_is_built_scored_and_resumable(tiny_llama_dir, recipe_file, text
     lib.block_record(1, "ffn", "ffn32").unlink()
     lib.score_record(1, "ffn", "ffn32").unlink()
     (out / "library.json").unlink()
-    _distill(tiny_llama_dir, recipe_file, text_file, out)
+    _distill(tiny_llama_dir, tiny_recipe_file, text_file, out)
     assert kept.stat().st_mtime_ns == kept_mtime, "finished blocks must never be retrained"
     after = load_file(str(victim))
     for key in before:  # seeded per block: the redone block is the same block
@@ -82,14 +68,14 @@ def test_library_is_built_scored_and_resumable(tiny_llama_dir, recipe_file, text
     # --score-only rescoring reproduces the scores.
     for path in lib.scores.glob("*.json"):
         path.unlink()
-    rescored = _distill(tiny_llama_dir, recipe_file, text_file, out, "--score-only")
+    rescored = _distill(tiny_llama_dir, tiny_recipe_file, text_file, out, "--score-only")
     assert rescored["median_kl_nontrivial"] == pytest.approx(summary["median_kl_nontrivial"], rel=1e-5)
 
 
-def test_streamed_score_equals_full_model_with_the_block_swapped_in(tiny_llama_dir, recipe_file, text_file,
+def test_streamed_score_equals_full_model_with_the_block_swapped_in(tiny_llama_dir, tiny_recipe_file, text_file,
                                                                      tmp_path):
     out = tmp_path / "lib"
-    _distill(tiny_llama_dir, recipe_file, text_file, out)
+    _distill(tiny_llama_dir, tiny_recipe_file, text_file, out)
     library = read_library(out)
     parent = from_parent(load_model(str(tiny_llama_dir)).model)
     parent.config._attn_implementation = "sdpa"
@@ -109,10 +95,10 @@ def test_streamed_score_equals_full_model_with_the_block_swapped_in(tiny_llama_d
         assert library["layers"][layer][kind][name]["metrics"]["kl_div"] == pytest.approx(kl, rel=1e-4, abs=1e-6)
 
 
-def test_distill_refuses_a_directory_built_with_other_settings(tiny_llama_dir, recipe_file, text_file, tmp_path):
+def test_distill_refuses_a_directory_built_with_other_settings(tiny_llama_dir, tiny_recipe_file, text_file, tmp_path):
     out = tmp_path / "lib"
-    _distill(tiny_llama_dir, recipe_file, text_file, out, "--no-score")
-    result = runner.invoke(app, ["distill", "--bld", "--model", str(tiny_llama_dir), "--recipe", str(recipe_file),
+    _distill(tiny_llama_dir, tiny_recipe_file, text_file, out, "--no-score")
+    result = runner.invoke(app, ["distill", "--bld", "--model", str(tiny_llama_dir), "--recipe", str(tiny_recipe_file),
                                  "--data", str(text_file), "--out", str(out), "--seed", "7"])
     assert result.exit_code != 0 and "other settings" in result.output and "Traceback" not in result.output
     missing = runner.invoke(app, ["distill", "--bld", "--recipe", "nope", "--out", str(tmp_path / "x")])
@@ -120,13 +106,13 @@ def test_distill_refuses_a_directory_built_with_other_settings(tiny_llama_dir, r
 
 
 @pytest.mark.distributed
-def test_two_process_torchrun_matches_single_process(tiny_llama_dir, recipe_file, text_file, tmp_path):
+def test_two_process_torchrun_matches_single_process(tiny_llama_dir, tiny_recipe_file, text_file, tmp_path):
     single = tmp_path / "single"
-    _distill(tiny_llama_dir, recipe_file, text_file, single)
+    _distill(tiny_llama_dir, tiny_recipe_file, text_file, single)
     multi = tmp_path / "multi"
     env = {**os.environ, "MLXKIT_BACKEND": "gloo", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
-           "-m", "mlxkit", "distill", "--bld", "--model", str(tiny_llama_dir), "--recipe", str(recipe_file),
+           "-m", "mlxkit", "distill", "--bld", "--model", str(tiny_llama_dir), "--recipe", str(tiny_recipe_file),
            "--data", str(text_file), "--out", str(multi), "--quiet"]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -14,20 +14,12 @@ from mlxkit.cli.main import app
 from mlxkit.engines.puzzle.library import read_library
 
 runner = CliRunner()
-RECIPE = """
-name: tiny
-search_space: {ffn_fractions: [1.0, 0.5], width_multiple: 8}
-data: {seq_len: 32, train_sequences: 8, score_sequences: 2}
-bld: {tokens_per_block: 512, batch_sequences: 4, lr: 1.0e-3}
-"""
 
 
 @pytest.fixture
-def built_library(tiny_llama_dir, text_file, tmp_path):
-    recipe = tmp_path / "tiny.yaml"
-    recipe.write_text(RECIPE)
+def built_library(tiny_llama_dir, text_file, tiny_recipe_file, tmp_path):
     out = tmp_path / "lib"
-    result = runner.invoke(app, ["distill", "--bld", "--model", str(tiny_llama_dir), "--recipe", str(recipe),
+    result = runner.invoke(app, ["distill", "--bld", "--model", str(tiny_llama_dir), "--recipe", str(tiny_recipe_file),
                                  "--data", str(text_file), "--out", str(out), "--quiet"])
     assert result.exit_code == 0, result.output
     return out
