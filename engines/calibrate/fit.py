@@ -91,7 +91,7 @@ def fit_profile(profile: HardwareProfile, predict: Callable[[HardwareProfile], n
     best = None
     # A roofline has flat regions where the gradient vanishes; a few starts avoid them.
     starts = [x0] + [np.clip(x0 + shift, lower, upper) for shift in (np.where([n in _EFFICIENCIES for n in names], s, 0.0)
-                                                                     for s in (-1.5, 1.0))]
+                                                                     for s in (-1.5,))]
     for start in starts:
         result = least_squares(residuals, start, bounds=(lower, upper), x_scale=scale, method="trf")
         if best is None or result.cost < best.cost:

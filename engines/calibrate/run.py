@@ -47,12 +47,13 @@ class CalibrationSettings:
     model: str = "smollm2-135m"
     device: str = "cpu"
     batches: Sequence[int] = (1, 4)
-    seqs: Sequence[int] = (64, 256)
-    copies: int = 6
+    seqs: Sequence[int] = (32, 128)
+    copies: int = 4
     decode_steps: int = 8
     warmup: int = 1
     repeats: int = 3
     dtype: str = "float32"
+    threads: int | None = None  # CPU threads for torch (None: torch's default); recorded in the profile
     base_profile: str | None = None  # default: "cpu" on CPU; the matching GPU profile on CUDA
     attention: Sequence[AttentionVariant] | None = None
     ffn: Sequence[FFNVariant] | None = None
@@ -195,6 +196,10 @@ def run_calibrate(settings: CalibrationSettings, out: str | Path, *, overwrite: 
     if settings.dtype not in _TORCH_TO_DTYPE:
         raise InputError(f"dtype must be one of {', '.join(_TORCH_TO_DTYPE)}")
     device = torch.device(settings.device)
+    if settings.threads is not None:
+        if settings.threads < 1:
+            raise InputError("--threads must be ≥ 1")
+        torch.set_num_threads(settings.threads)
     dtype = getattr(torch, settings.dtype)
     weight_dtype = _TORCH_TO_DTYPE[settings.dtype]
     base = load_profile(settings.base_profile or _default_base(settings.device))
@@ -283,7 +288,8 @@ def _fit_and_write(runs: list[_Run], parent: ParentShape, base: HardwareProfile,
         "calibration": {"date": today, "model": settings.model, "device": device_name, "dtype": settings.dtype,
                         "batches": list(settings.batches), "prompt_lengths": list(settings.seqs),
                         "copies": settings.copies, "decode_steps": settings.decode_steps,
-                        "repeats": settings.repeats, "torch": str(torch.__version__), "base_profile": base.name,
+                        "repeats": settings.repeats, "torch": str(torch.__version__),
+                        "threads": torch.get_num_threads() if not settings.device.startswith("cuda") else None, "base_profile": base.name,
                         "fit_rms_log_error": round(fit.rms_log_error, 4),
                         "fit_max_rel_error": round(fit.max_abs_rel_error, 4)},
     })

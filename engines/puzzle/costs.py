@@ -257,7 +257,10 @@ class CostModel:
         peak = self.profile.peak_flops(op.dtype)
         compute = op.flops / (peak * (eff.attention if op.compute == "attention" else eff.matmul))
         memory = op.bytes / (self.profile.bandwidth_bytes_s * eff.memory)
-        return np.maximum(compute, memory) + op.kernels * self.profile.kernel_overhead_us * 1e-6
+        overhead = op.kernels * self.profile.kernel_overhead_us * 1e-6
+        if isinstance(compute, float) and isinstance(memory, float):  # the common scalar case, without numpy
+            return max(compute, memory) + overhead
+        return np.maximum(compute, memory) + overhead
 
     def attention_ops(self, variant: AttentionVariant, n_seq: int, new_tokens: int, ctx: np.ndarray | float) -> list[_Op]:
         """Ops of one attention subblock forward: `n_seq` sequences, `new_tokens` each, at context `ctx`.
@@ -280,15 +283,16 @@ class CostModel:
                           self.kernels["gqa"] - 1)
         # Attention core: QK^T and PV, 4·d FLOPs per (query head, query, key) pair. A causal
         # prefill of n tokens has n(n+1)/2 pairs per head; a decode step has ctx pairs.
+        ctx = float(ctx) if np.ndim(ctx) == 0 else np.asarray(ctx, dtype=np.float64)
         if new_tokens > 1:
-            pairs = new_tokens * (new_tokens + 1) / 2.0 + new_tokens * (np.asarray(ctx) - new_tokens)
+            pairs = new_tokens * (new_tokens + 1) / 2.0 + new_tokens * (ctx - new_tokens)
         else:
-            pairs = np.asarray(ctx, dtype=np.float64)
+            pairs = ctx
         kv_per_token = 2 * kv_dim * self.kvbytes
         core_flops = 4.0 * p.num_attention_heads * p.head_dim * n_seq * pairs
         # The cache is read once per step (flash-style kernels keep the tile on chip) and the
         # new keys/values are written once.
-        core_bytes = n_seq * np.asarray(ctx) * kv_per_token + t * kv_per_token + 2 * t * q_dim * self.abytes
+        core_bytes = n_seq * ctx * kv_per_token + t * kv_per_token + 2 * t * q_dim * self.abytes
         core = _Op(core_flops, core_bytes, "attention", self.scenario.kv_dtype, 1)
         return [projections, core]
 
@@ -317,7 +321,7 @@ class CostModel:
         total: np.ndarray | float = 0.0
         for op in ops:
             total = total + self._op_time_s(op)
-        return np.asarray(total) * 1e3
+        return total * 1e3
 
     def attention_step_ms(self, variant: AttentionVariant, n_seq: int, new_tokens: int, ctx: Any) -> Any:
         """Time in ms of one attention forward (prefill when `new_tokens > 1`), vectorised over `ctx`."""
