@@ -1,8 +1,8 @@
 """Read tensors one at a time from a safetensors checkpoint, single file or sharded.
 
 Modelled on mergekit's `ShardedTensorIndex` / `LazyTensorLoader`: the index maps each tensor
-name to its shard, shapes and dtypes come from the shard headers (no tensor data is read to
-plan), and at most one shard is open per loader, so peak memory is the tensors you hold.
+name to its shard, shapes, dtypes and byte ranges come from the shard headers (no tensor data is
+read to plan), and at most one shard is open per loader, so peak memory is the tensors you hold.
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ class TensorInfo:
     shape: tuple[int, ...]
     dtype: str  # torch dtype name, e.g. "bfloat16"
     file: str   # shard file name, relative to the checkpoint directory
+    start: int = 0  # byte range of the data within the file (absolute offsets)
+    end: int = 0
 
     @property
     def numel(self) -> int:
@@ -44,7 +46,10 @@ class TensorInfo:
 
 
 def read_header(path: str | os.PathLike) -> dict[str, dict]:
-    """The JSON header of a safetensors file (8-byte little-endian length, then JSON)."""
+    """The JSON header of a safetensors file (8-byte little-endian length, then JSON).
+
+    Each entry gains `_base`, the absolute file offset where the data section starts.
+    """
     with open(path, "rb") as handle:
         raw = handle.read(8)
         if len(raw) != 8:
@@ -57,6 +62,8 @@ def read_header(path: str | os.PathLike) -> dict[str, dict]:
         except json.JSONDecodeError as exc:
             raise ModelLoadError(f"'{path}' has a corrupt safetensors header: {exc}") from exc
     header.pop("__metadata__", None)
+    for entry in header.values():
+        entry["_base"] = 8 + length
     return header
 
 
@@ -93,8 +100,9 @@ class ShardedTensorIndex:
             if not (directory / file).exists():
                 raise ModelLoadError(f"'{directory}' is missing shard '{file}' named in its index")
             for name, entry in read_header(directory / file).items():
+                begin, stop = entry["data_offsets"]
                 tensors[name] = TensorInfo(name, tuple(entry["shape"]), _DTYPES.get(entry["dtype"], entry["dtype"]),
-                                           file)
+                                           file, entry["_base"] + begin, entry["_base"] + stop)
         return cls(directory, tensors)
 
     def __contains__(self, name: str) -> bool:
@@ -114,9 +122,13 @@ class ShardedTensorIndex:
 
 
 class LazyTensorLoader:
-    """`get_tensor(name)` reads exactly one tensor; one shard handle stays open at a time.
+    """`get_tensor(name)` reads exactly one tensor; one shard file stays open at a time.
 
-    Thread-safe (one lock per loader). Use as a context manager, or call `close()`.
+    Tensors are read with positioned reads (`os.pread`) into fresh memory rather than through a
+    memory map: a mapped shard keeps every page it touched counted in the process's resident set
+    until it is closed, so streaming a whole model through mmap makes RSS grow to the model's
+    size. Here memory is only what the caller holds. Thread-safe (one lock per loader). Use as a
+    context manager, or call `close()`.
     """
 
     def __init__(self, index: ShardedTensorIndex, device: str = "cpu") -> None:
@@ -124,7 +136,7 @@ class LazyTensorLoader:
         self.device = device
         self._lock = threading.Lock()
         self._file: str | None = None
-        self._handle = None
+        self._fd: int | None = None
 
     @classmethod
     def from_path(cls, path: str | os.PathLike, **kwargs) -> "LazyTensorLoader":
@@ -140,23 +152,47 @@ class LazyTensorLoader:
             raise InputError(f"tensor '{name}' is not in '{self.index.directory}'") from None
 
     def get_tensor(self, name: str):
-        """The tensor `name`, as stored (dtype and device of the checkpoint)."""
-        from safetensors import safe_open
+        """The tensor `name`, as stored (dtype of the checkpoint), on `device`."""
+        import torch
 
         info = self.info(name)
+        size = info.end - info.start
+        buf = bytearray(size)
         with self._lock:
             if self._file != info.file:
-                self._handle = None  # safe_open handles close when dropped
-                self._handle = safe_open(str(self.index.directory / info.file), framework="pt", device=self.device)
+                self._close_fd()
+                self._fd = os.open(self.index.directory / info.file, os.O_RDONLY)
                 self._file = info.file
-            return self._handle.get_tensor(name)
+            view, done = memoryview(buf), 0
+            while done < size:
+                got = os.preadv(self._fd, [view[done:]], info.start + done)
+                if got <= 0:
+                    raise ModelLoadError(f"'{self.index.directory / info.file}' ends inside tensor '{name}'")
+                done += got
+        dtype = getattr(torch, info.dtype)
+        if size == 0:
+            tensor = torch.empty(info.shape, dtype=dtype)
+        else:
+            tensor = torch.frombuffer(buf, dtype=dtype).reshape(info.shape)
+        return tensor if self.device == "cpu" else tensor.to(self.device)
+
+    def _close_fd(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+        self._fd, self._file = None, None
 
     def close(self) -> None:
         with self._lock:
-            self._handle, self._file = None, None
+            self._close_fd()
 
     def __enter__(self) -> "LazyTensorLoader":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def __del__(self) -> None:
+        try:
+            self._close_fd()
+        except Exception:
+            pass
