@@ -133,7 +133,8 @@ def test_jointly_infeasible_caps_are_reported():
 def test_diverse_solutions_keep_a_minimum_hamming_distance():
     problem = _random_problem(7, layers=4, attention=2, ffn=3)
     caps = {"memory_mib": _parent(problem)["memory_mib"] * 0.8}
-    solver = Solver.build(problem)
+    # Brute force enumerates every option, so compare against the unpruned model here.
+    solver = Solver.build(problem, prune_dominated=False)
     solutions = solver.solve_many(caps, k=3, min_distance=2)
     assert len(solutions) == 3
     for a, b in itertools.combinations(solutions, 2):
@@ -147,10 +148,14 @@ def test_diverse_solutions_keep_a_minimum_hamming_distance():
     assert solutions[0].objective <= solutions[1].objective <= solutions[2].objective
     # The diversity rows are gone afterwards: the same solver finds the optimum again.
     assert solver.solve(caps).objective == pytest.approx(best[0], abs=1e-6)
+    # With dominated options pruned (the default) the optimum is the same and the distances hold.
+    pruned = Solver.build(problem).solve_many(caps, k=3, min_distance=2)
+    assert pruned[0].objective == pytest.approx(best[0], abs=1e-6)
+    assert all(a.distance(b) >= 2 for a, b in itertools.combinations(pruned, 2))
 
 
 def test_too_few_diverse_solutions_warn():
-    groups = [Group(i, "block", (Option("a", 0.0, {"memory_mib": 1.0}), Option("b", 1.0, {"memory_mib": 1.0})))
+    groups = [Group(i, "block", (Option("a", 0.0, {"memory_mib": 2.0}), Option("b", 1.0, {"memory_mib": 1.0})))
               for i in range(2)]
     with pytest.warns(SolverWarning, match="only 2 of 5"):
         solutions = Solver.build(SearchProblem(groups)).solve_many({}, k=5, min_distance=2)
@@ -168,6 +173,10 @@ def test_bad_inputs_raise_input_errors():
         solver.solve_many({}, k=2, min_distance=9)
     with pytest.raises(InputError, match="duplicate"):
         Group(0, "ffn", (Option("a", 0, {}), Option("a", 1, {})))
+    # An option that is worse and no cheaper than another is left out of the model.
+    dominated = Group(0, "ffn", (Option("a", 0.0, {"memory_mib": 1.0}), Option("b", 1.0, {"memory_mib": 1.0})))
+    assert Solver.build(SearchProblem([dominated])).num_binaries == 1
+    assert Solver.build(SearchProblem([dominated]), prune_dominated=False).num_binaries == 2
     with pytest.raises(InputError, match="two 'ffn' groups"):
         SearchProblem([Group(0, "ffn", (Option("a", 0, {}),)), Group(0, "ffn", (Option("b", 0, {}),))])
 

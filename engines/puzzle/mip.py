@@ -166,29 +166,39 @@ class Solver:
 
     @classmethod
     def build(cls, problem: SearchProblem, *, time_limit_s: float | None = 60.0, threads: int | None = None,
-              gap: float | None = None) -> "Solver":
+              gap: float | None = None, prune_dominated: bool = True) -> "Solver":
         """Create the binaries, one-hot rows and objective.
 
         `time_limit_s` is the default limit per solve (the NVlabs demo's default is 60 s);
         `gap` is CBC's relative optimality gap (None: CBC's default, i.e. proven optimal).
+        `prune_dominated` leaves out options that another option of the same group beats on
+        score and on every cost; optima are unchanged, and diverse alternatives are drawn
+        from the undominated options only.
         """
         import pulp
 
         with _quiet_pulp():
-            return cls._build(pulp, problem, time_limit_s, threads, gap)
+            return cls._build(pulp, problem, time_limit_s, threads, gap, prune_dominated)
 
     @classmethod
     def _build(cls, pulp: Any, problem: SearchProblem, time_limit_s: float | None, threads: int | None,
-               gap: float | None) -> "Solver":
+               gap: float | None, prune_dominated: bool) -> "Solver":
         model = pulp.LpProblem("puzzle", pulp.LpMaximize if problem.bigger_is_better else pulp.LpMinimize)
         x: dict[tuple[int, int], Any] = {}
         for gi, group in enumerate(problem.groups):
-            for oi in range(len(group.options)):
+            # Dominated options (another option scores no worse and costs no more on every stat)
+            # never appear in an optimum; leaving them out shrinks CBC's search several-fold.
+            keep = _undominated(group, problem.bigger_is_better) if prune_dominated else range(len(group.options))
+            for oi in keep:
                 x[(gi, oi)] = pulp.LpVariable(f"x_{gi}_{oi}", cat=pulp.LpBinary)
-            model += (pulp.lpSum(x[(gi, oi)] for oi in range(len(group.options))) == 1, f"one_{gi}")
-        model += pulp.LpAffineExpression([(x[(gi, oi)], o.score) for gi, g in enumerate(problem.groups)
-                                          for oi, o in enumerate(g.options)])
+            model += (pulp.lpSum(x[(gi, oi)] for oi in keep) == 1, f"one_{gi}")
+        model += pulp.LpAffineExpression([(var, problem.groups[gi].options[oi].score) for (gi, oi), var in x.items()])
         return cls(problem, model, x, time_limit_s, threads, gap)
+
+    @property
+    def num_binaries(self) -> int:
+        """Binaries in the model (options left after pruning dominated ones)."""
+        return len(self._x)
 
     # ---- public solves
 
@@ -251,8 +261,8 @@ class Solver:
         import pulp
 
         for stat, bound in caps.items():
-            terms = [(self._x[(gi, oi)], o.costs.get(stat, 0.0)) for gi, g in enumerate(self.problem.groups)
-                     for oi, o in enumerate(g.options) if o.costs.get(stat, 0.0)]
+            terms = [(var, self.problem.groups[gi].options[oi].costs.get(stat, 0.0))
+                     for (gi, oi), var in self._x.items() if self.problem.groups[gi].options[oi].costs.get(stat, 0.0)]
             rhs = bound - self.problem.fixed_costs.get(stat, 0.0)
             self._add_row(pulp.LpAffineExpression(terms) <= rhs, "cap")
 
@@ -318,8 +328,8 @@ class Solver:
             return None
         picks: dict[tuple[int, str], str] = {}
         for gi, g in enumerate(self.problem.groups):
-            values = [self._x[(gi, oi)].value() or 0.0 for oi in range(len(g.options))]
-            best = max(range(len(values)), key=values.__getitem__)
+            values = {oi: (self._x[(gi, oi)].value() or 0.0) for oi in range(len(g.options)) if (gi, oi) in self._x}
+            best = max(values, key=values.__getitem__)
             picks[(g.layer, g.kind)] = g.options[best].name
         status = "optimal" if sol_status in (None, pulp.LpSolutionOptimal) else "feasible"
         if status == "feasible":
@@ -418,6 +428,25 @@ def describe_value(stat: str, value: float, tokens: int | None = None) -> str:
 def describe_cap(stat: str, bound: float, tokens: int | None = None) -> str:
     label = {"memory_mib": "memory", "runtime_ms": "runtime", "num_params": "parameters"}.get(stat, stat)
     return f"{label} ≤ {describe_value(stat, bound, tokens)}"
+
+
+def _undominated(group: Group, bigger_is_better: bool) -> list[int]:
+    """Indices of the options no other option beats on score and on every cost (first of equals kept)."""
+    stats = sorted({s for o in group.options for s in o.costs})
+    sign = -1.0 if bigger_is_better else 1.0
+    vectors = [(sign * o.score, *(o.costs.get(s, 0.0) for s in stats)) for o in group.options]
+    keep = []
+    for i, vi in enumerate(vectors):
+        dominated = False
+        for j, vj in enumerate(vectors):
+            if j == i or any(a > b for a, b in zip(vj, vi)):
+                continue
+            if vj != vi or j < i:  # strictly better somewhere, or an identical option listed earlier
+                dominated = True
+                break
+        if not dominated:
+            keep.append(i)
+    return keep
 
 
 def _option(group: Group, name: str) -> Option:
