@@ -41,8 +41,10 @@ def calibrate_command(
     repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed repeats (the median is kept).")] = 3,
     decode_steps: Annotated[int, typer.Option("--decode-steps", min=1, help="Decode steps per repeat.")] = 8,
     dtype: Annotated[str, typer.Option("--dtype", help="float32, bfloat16 or float16.")] = "float32",
-    threads: Annotated[Optional[int], typer.Option("--threads", min=1, help="CPU threads for torch "
-                                                                           "(default: torch's choice).")] = None,
+    threads: Annotated[int, typer.Option("--threads", min=0, help="CPU threads for torch; 0 keeps torch's "
+                                                                "default. With 1 the CPU-time clock is used.")] = 1,
+    clock: Annotated[str, typer.Option("--clock", help="auto, wall or cpu (thread CPU time: one dedicated core "
+                                                       "even on a busy machine).")] = "auto",
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing profile.")] = False,
     seed: SeedOpt = 0,
     json_out: JsonOpt = False,
@@ -55,7 +57,8 @@ def calibrate_command(
         raise fail(f"--device must be cpu or cuda[:N] (got '{device}')")
     settings = CalibrationSettings(model=model, device=device, batches=_ints(batch, "--batch"),
                                    seqs=_ints(seq, "--seq"), copies=copies, repeats=repeats,
-                                   decode_steps=decode_steps, dtype=dtype, threads=threads, base_profile=base,
+                                   decode_steps=decode_steps, dtype=dtype, threads=threads or None, clock=clock,
+                                   base_profile=base,
                                    seed=seed)
     result = run_calibrate(settings, out, overwrite=overwrite, reporter=make_reporter(json_out, quiet, verbose))
     report = result.report

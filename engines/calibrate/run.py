@@ -53,7 +53,10 @@ class CalibrationSettings:
     warmup: int = 1
     repeats: int = 3
     dtype: str = "float32"
-    threads: int | None = None  # CPU threads for torch (None: torch's default); recorded in the profile
+    # CPU threads for torch. One thread by default: with it the CPU-time clock measures one
+    # dedicated core even on a busy machine. None keeps torch's default (then the wall clock).
+    threads: int | None = 1
+    clock: str = "auto"  # "wall", "cpu" (thread CPU time; single-threaded CPU only) or "auto"
     base_profile: str | None = None  # default: "cpu" on CPU; the matching GPU profile on CUDA
     attention: Sequence[AttentionVariant] | None = None
     ffn: Sequence[FFNVariant] | None = None
@@ -202,6 +205,10 @@ def run_calibrate(settings: CalibrationSettings, out: str | Path, *, overwrite: 
         torch.set_num_threads(settings.threads)
     dtype = getattr(torch, settings.dtype)
     weight_dtype = _TORCH_TO_DTYPE[settings.dtype]
+    single_cpu = device.type == "cpu" and torch.get_num_threads() == 1
+    clock = ("cpu" if single_cpu else "wall") if settings.clock == "auto" else settings.clock
+    if clock not in ("cpu", "wall") or (clock == "cpu" and not single_cpu):
+        raise InputError("--clock cpu needs --device cpu and --threads 1 (CPU time of one thread); use wall")
     base = load_profile(settings.base_profile or _default_base(settings.device))
 
     reporter.notice(f"loading {settings.model}")
@@ -229,7 +236,8 @@ def run_calibrate(settings: CalibrationSettings, out: str | Path, *, overwrite: 
 
     runs: list[_Run] = []
     timing_kwargs = dict(decode_steps=settings.decode_steps, warmup=settings.warmup, repeats=settings.repeats,
-                         seed=settings.seed)
+                         seed=settings.seed, clock=clock)
+    settings.clock = clock  # recorded in the profile
     total = (len(models) + 1) * len(settings.batches) * len(settings.seqs)
     with reporter.task("timing variants", total=total) as task:
         for label, kind, variant, layers in models:
@@ -289,7 +297,8 @@ def _fit_and_write(runs: list[_Run], parent: ParentShape, base: HardwareProfile,
                         "batches": list(settings.batches), "prompt_lengths": list(settings.seqs),
                         "copies": settings.copies, "decode_steps": settings.decode_steps,
                         "repeats": settings.repeats, "torch": str(torch.__version__),
-                        "threads": torch.get_num_threads() if not settings.device.startswith("cuda") else None, "base_profile": base.name,
+                        "threads": torch.get_num_threads() if not settings.device.startswith("cuda") else None,
+                        "clock": settings.clock, "base_profile": base.name,
                         "fit_rms_log_error": round(fit.rms_log_error, 4),
                         "fit_max_rel_error": round(fit.max_abs_rel_error, 4)},
     })
