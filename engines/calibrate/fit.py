@@ -23,6 +23,8 @@ FIT_PARAMS: dict[str, tuple[float, float]] = {
     "attention": (1e-4, 1.5),
     "kernel_overhead_us": (0.0, 5e3),
     "step_overhead_us": (0.0, 1e5),
+    "overlap": (0.0, 1.0),
+    "matmul_half_rows": (0.0, 4096.0),
 }
 _EFFICIENCIES = ("matmul", "memory", "attention")
 
@@ -44,7 +46,8 @@ def apply_params(profile: HardwareProfile, params: dict[str, float]) -> Hardware
 
 def fit_profile(profile: HardwareProfile, predict: Callable[[HardwareProfile], np.ndarray],
                 measured_ms: Sequence[float], fit: Sequence[str] = tuple(FIT_PARAMS),
-                bounds: dict[str, tuple[float, float]] | None = None) -> FitResult:
+                bounds: dict[str, tuple[float, float]] | None = None,
+                weights: Sequence[float] | None = None) -> FitResult:
     """Least-squares fit of the named profile parameters so that `predict(profile)` ≈ `measured_ms`.
 
     Parameters
@@ -54,6 +57,7 @@ def fit_profile(profile: HardwareProfile, predict: Callable[[HardwareProfile], n
     measured_ms : measured times, all positive.
     fit : which of `FIT_PARAMS` to move.
     bounds : overrides of `FIT_PARAMS` bounds (e.g. efficiencies ≤ 1 against a trusted datasheet peak).
+    weights : per-measurement weights of the log-ratio residuals (default 1).
     """
     from scipy.optimize import least_squares
 
@@ -64,6 +68,9 @@ def fit_profile(profile: HardwareProfile, predict: Callable[[HardwareProfile], n
     if unknown:
         raise InputError(f"cannot fit {unknown}; fittable: {list(FIT_PARAMS)}")
     names = list(fit)
+    w = np.ones_like(measured) if weights is None else np.asarray(weights, dtype=np.float64)
+    if w.shape != measured.shape:
+        raise InputError("one weight per measurement")
     limits = {**FIT_PARAMS, **(bounds or {})}
 
     def current(name: str) -> float:
@@ -84,10 +91,12 @@ def fit_profile(profile: HardwareProfile, predict: Callable[[HardwareProfile], n
 
     def residuals(vector: np.ndarray) -> np.ndarray:
         pred = np.asarray(predict(apply_params(profile, decode(vector))), dtype=np.float64)
-        return np.log(np.maximum(pred, 1e-12) / measured)
+        return w * np.log(np.maximum(pred, 1e-12) / measured)
 
     # Overheads are in µs while efficiencies are log-fractions: x_scale keeps steps comparable.
-    scale = np.array([1.0 if n in _EFFICIENCIES else max(10.0, abs(current(n))) for n in names])
+    scale = np.array([1.0 if n in _EFFICIENCIES or n == "overlap" else max(10.0, abs(current(n))) for n in names])
+    # A ramp parameter starting at 0 sits on its bound with no gradient; start it inside.
+    x0 = np.array([max(v, 8.0) if n == "matmul_half_rows" else v for n, v in zip(names, x0)])
     best = None
     # A roofline has flat regions where the gradient vanishes; a few starts avoid them.
     starts = [x0] + [np.clip(x0 + shift, lower, upper) for shift in (np.where([n in _EFFICIENCIES for n in names], s, 0.0)
@@ -99,5 +108,5 @@ def fit_profile(profile: HardwareProfile, predict: Callable[[HardwareProfile], n
     assert best is not None
     params = decode(best.x)
     fitted = apply_params(profile, params)
-    res = residuals(best.x)
+    res = residuals(best.x) / w
     return FitResult(fitted, float(np.sqrt(np.mean(res ** 2))), float(np.max(np.abs(np.expm1(res)))), params)

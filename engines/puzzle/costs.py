@@ -4,7 +4,10 @@ Every attention and FFN variant is priced from its shapes alone (`ParentShape` p
 variant), so a 70B search space can be planned from a `config.json` before any weight is
 downloaded. The model is a per-op roofline:
 
-    op time = max(FLOPs / (peak · eff_compute), bytes / (bandwidth · eff_memory)) + kernels · overhead
+    op time = max(C, M) + (1 - overlap) · min(C, M) + kernels · overhead
+    C = FLOPs / (peak · eff_compute),  M = bytes / (bandwidth · eff_memory)
+
+(`overlap` = 1 is the classic roofline, right for GPUs; a single CPU core overlaps less)
 
 with two ops per attention subblock (the projections, and the attention core that reads
 the KV cache) and one per FFN. A deployment `Scenario` runs one prefill of `input_len`
@@ -140,6 +143,7 @@ class _Op:
     compute: Literal["matmul", "attention"] = "matmul"
     dtype: str = "bf16"  # selects the peak rate
     kernels: int = 0
+    rows: float = math.inf  # tokens per matmul (M); skinny matmuls are less efficient
 
 
 @dataclass(frozen=True)
@@ -255,12 +259,19 @@ class CostModel:
     def _op_time_s(self, op: _Op) -> np.ndarray | float:
         eff = self.profile.efficiency
         peak = self.profile.peak_flops(op.dtype)
-        compute = op.flops / (peak * (eff.attention if op.compute == "attention" else eff.matmul))
+        if op.compute == "attention":
+            rate = eff.attention
+        else:
+            half = self.profile.matmul_half_rows
+            rate = eff.matmul * (op.rows / (op.rows + half) if half > 0 and math.isfinite(op.rows) else 1.0)
+        compute = op.flops / (peak * rate)
         memory = op.bytes / (self.profile.bandwidth_bytes_s * eff.memory)
         overhead = op.kernels * self.profile.kernel_overhead_us * 1e-6
+        # Partial-overlap roofline: max(c, m) + (1 - overlap) · min(c, m).
+        serial = 1.0 - self.profile.overlap
         if isinstance(compute, float) and isinstance(memory, float):  # the common scalar case, without numpy
-            return max(compute, memory) + overhead
-        return np.maximum(compute, memory) + overhead
+            return max(compute, memory) + serial * min(compute, memory) + overhead
+        return np.maximum(compute, memory) + serial * np.minimum(compute, memory) + overhead
 
     def attention_ops(self, variant: AttentionVariant, n_seq: int, new_tokens: int, ctx: np.ndarray | float) -> list[_Op]:
         """Ops of one attention subblock forward: `n_seq` sequences, `new_tokens` each, at context `ctx`.
@@ -274,13 +285,13 @@ class CostModel:
         if variant.kind == "linear":
             h = p.hidden_size
             return [_Op(2.0 * t * h * h, variant.num_params(p) * self.wbytes + 2 * t * h * self.abytes, "matmul", wd,
-                        self.kernels["linear_attention"])]
+                        self.kernels["linear_attention"], rows=t)]
         q_dim = p.num_attention_heads * p.head_dim
         kv_dim = variant.n_kv_heads * p.head_dim  # type: ignore[operator]
         proj_params = variant.num_params(p) - p.hidden_size  # without the norm: the matmul weights
         proj_act = t * (p.hidden_size + q_dim + 2 * kv_dim + q_dim + p.hidden_size) * self.abytes
         projections = _Op(2.0 * t * proj_params, variant.num_params(p) * self.wbytes + proj_act, "matmul", wd,
-                          self.kernels["gqa"] - 1)
+                          self.kernels["gqa"] - 1, rows=t)
         # Attention core: QK^T and PV, 4·d FLOPs per (query head, query, key) pair. A causal
         # prefill of n tokens has n(n+1)/2 pairs per head; a decode step has ctx pairs.
         ctx = float(ctx) if np.ndim(ctx) == 0 else np.asarray(ctx, dtype=np.float64)
@@ -303,10 +314,11 @@ class CostModel:
         h = p.hidden_size
         if variant.kind == "linear":
             return [_Op(2.0 * t * h * h, variant.num_params(p) * self.wbytes + 2 * t * h * self.abytes, "matmul", wd,
-                        self.kernels["linear_ffn"])]
+                        self.kernels["linear_ffn"], rows=t)]
         width = variant.intermediate_size or 0
         act = t * (2 * h + 3 * width) * self.abytes
-        return [_Op(2.0 * t * 3 * h * width, variant.num_params(p) * self.wbytes + act, "matmul", wd, self.kernels["mlp"])]
+        return [_Op(2.0 * t * 3 * h * width, variant.num_params(p) * self.wbytes + act, "matmul", wd, self.kernels["mlp"],
+                    rows=t)]
 
     def non_block_ops(self, n_seq: int, new_tokens: int) -> list[_Op]:
         """Embedding lookup, final norm and LM head; logits only for the last token of each sequence."""
@@ -315,7 +327,7 @@ class CostModel:
         logit_rows = n_seq  # serving engines (and `generate`) compute logits for the last position only
         flops = 2.0 * logit_rows * head
         nbytes = head * self.wbytes + n_seq * new_tokens * p.hidden_size * self.abytes + logit_rows * p.vocab_size * 4
-        return [_Op(flops, nbytes, "matmul", self.scenario.weight_dtype, self.kernels["non_block"])]
+        return [_Op(flops, nbytes, "matmul", self.scenario.weight_dtype, self.kernels["non_block"], rows=logit_rows)]
 
     def step_ms(self, ops: Sequence[_Op]) -> np.ndarray | float:
         total: np.ndarray | float = 0.0

@@ -58,6 +58,11 @@ class HardwareProfile(BaseModel):
     efficiency : fractions of peak reached by matmuls, memory streaming and attention.
     kernel_overhead_us : fixed cost per kernel launch (GPU) or per op dispatch (CPU), in µs.
     step_overhead_us : fixed framework cost per forward step (scheduler, sampling, Python), in µs.
+    overlap : how far compute and memory traffic overlap: 1 is the pure roofline max(compute,
+        memory) (GPUs); 0 adds them (a single CPU core that stalls on loads). Fitted by calibrate.
+    matmul_half_rows : rows (tokens in a step) at which a matmul reaches half its large-matmul
+        efficiency, eff(M) = eff · M / (M + half): skinny decode GEMMs run far below peak.
+        0 turns the ramp off.
     kernels : optional override of kernels per subblock (keys of `costs.DEFAULT_KERNELS`).
     sources : where each number comes from, keyed like the fields.
     """
@@ -72,6 +77,8 @@ class HardwareProfile(BaseModel):
     efficiency: Efficiency
     kernel_overhead_us: float = Field(ge=0)
     step_overhead_us: float = Field(default=0.0, ge=0)
+    overlap: float = Field(default=1.0, ge=0, le=1)
+    matmul_half_rows: float = Field(default=0.0, ge=0)
     kernels: dict[str, int] | None = None
     sources: dict[str, str]
     calibration: dict[str, Any] | None = None
