@@ -97,6 +97,7 @@ def main() -> None:
     ap.add_argument("--density", type=float, default=0.5)
     ap.add_argument("--work", default=str(ROOT / "runs" / "mergekit_compare"))
     ap.add_argument("--mergekit-venv", default=str(ROOT / ".venv-mergekit"))
+    ap.add_argument("--methods", default="task_arithmetic,ties")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     work = Path(args.work)
@@ -107,7 +108,7 @@ def main() -> None:
     mergekit = str(Path(args.mergekit_venv) / "bin" / "mergekit-yaml")
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     results = {}
-    for method in ("task_arithmetic", "ties"):
+    for method in args.methods.split(","):
         cfg = work / f"{method}.yml"
         cfg.write_text(mergekit_yaml(method, base, models, args.density))
         theirs, ours = work / f"mergekit-{method}", work / f"mlx-{method}"
