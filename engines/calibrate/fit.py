@@ -25,6 +25,7 @@ FIT_PARAMS: dict[str, tuple[float, float]] = {
     "step_overhead_us": (0.0, 1e5),
     "overlap": (0.0, 1.0),
     "matmul_half_rows": (0.0, 4096.0),
+    "gemm_weight_passes": (0.0, 4.0),
 }
 _EFFICIENCIES = ("matmul", "memory", "attention")
 
@@ -94,9 +95,11 @@ def fit_profile(profile: HardwareProfile, predict: Callable[[HardwareProfile], n
         return w * np.log(np.maximum(pred, 1e-12) / measured)
 
     # Overheads are in µs while efficiencies are log-fractions: x_scale keeps steps comparable.
-    scale = np.array([1.0 if n in _EFFICIENCIES or n == "overlap" else max(10.0, abs(current(n))) for n in names])
+    scale = np.array([1.0 if n in _EFFICIENCIES or n in ("overlap", "gemm_weight_passes") else max(10.0, abs(current(n)))
+                      for n in names])
     # A ramp parameter starting at 0 sits on its bound with no gradient; start it inside.
-    x0 = np.array([max(v, 8.0) if n == "matmul_half_rows" else v for n, v in zip(names, x0)])
+    x0 = np.array([max(v, 8.0) if n == "matmul_half_rows" else max(v, 0.5) if n == "gemm_weight_passes" else v
+                   for n, v in zip(names, x0)])
     best = None
     # A roofline has flat regions where the gradient vanishes; a few starts avoid them.
     starts = [x0] + [np.clip(x0 + shift, lower, upper) for shift in (np.where([n in _EFFICIENCIES for n in names], s, 0.0)

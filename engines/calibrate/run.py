@@ -286,7 +286,9 @@ def _fit_and_write(runs: list[_Run], parent: ParentShape, base: HardwareProfile,
         return np.array(values)
 
     reporter.notice(f"fitting {', '.join(settings.fit)} to {len(measured)} timings")
-    bounds = None if not settings.device.startswith("cuda") else {k: (1e-3, 1.0) for k in ("matmul", "memory", "attention")}
+    # Efficiencies stay ≤ 1: above it a factor would stand in for a wrong peak, and the profile
+    # would stop being readable as "fraction of the datasheet (or measured) peak".
+    bounds = {k: (1e-3, 1.0) for k in ("matmul", "memory", "attention")}
     fit = fit_profile(base, predict, measured, fit=settings.fit, bounds=bounds, weights=weights)
 
     device_name = describe_device(settings.device)

@@ -144,6 +144,7 @@ class _Op:
     dtype: str = "bf16"  # selects the peak rate
     kernels: int = 0
     rows: float = math.inf  # tokens per matmul (M); skinny matmuls are less efficient
+    weight_bytes: float = 0.0  # the part of `bytes` that is weights (re-read when a GEMM packs them)
 
 
 @dataclass(frozen=True)
@@ -265,7 +266,10 @@ class CostModel:
             half = self.profile.matmul_half_rows
             rate = eff.matmul * (op.rows / (op.rows + half) if half > 0 and math.isfinite(op.rows) else 1.0)
         compute = op.flops / (peak * rate)
-        memory = op.bytes / (self.profile.bandwidth_bytes_s * eff.memory)
+        nbytes = op.bytes
+        if op.rows > 1 and self.profile.gemm_weight_passes:
+            nbytes = nbytes + self.profile.gemm_weight_passes * op.weight_bytes
+        memory = nbytes / (self.profile.bandwidth_bytes_s * eff.memory)
         overhead = op.kernels * self.profile.kernel_overhead_us * 1e-6
         # Partial-overlap roofline: max(c, m) + (1 - overlap) · min(c, m).
         serial = 1.0 - self.profile.overlap
@@ -284,14 +288,16 @@ class CostModel:
             return []
         if variant.kind == "linear":
             h = p.hidden_size
-            return [_Op(2.0 * t * h * h, variant.num_params(p) * self.wbytes + 2 * t * h * self.abytes, "matmul", wd,
-                        self.kernels["linear_attention"], rows=t)]
+            w = variant.num_params(p) * self.wbytes
+            return [_Op(2.0 * t * h * h, w + 2 * t * h * self.abytes, "matmul", wd, self.kernels["linear_attention"],
+                        rows=t, weight_bytes=w)]
         q_dim = p.num_attention_heads * p.head_dim
         kv_dim = variant.n_kv_heads * p.head_dim  # type: ignore[operator]
         proj_params = variant.num_params(p) - p.hidden_size  # without the norm: the matmul weights
         proj_act = t * (p.hidden_size + q_dim + 2 * kv_dim + q_dim + p.hidden_size) * self.abytes
-        projections = _Op(2.0 * t * proj_params, variant.num_params(p) * self.wbytes + proj_act, "matmul", wd,
-                          self.kernels["gqa"] - 1, rows=t)
+        w = variant.num_params(p) * self.wbytes
+        projections = _Op(2.0 * t * proj_params, w + proj_act, "matmul", wd, self.kernels["gqa"] - 1, rows=t,
+                          weight_bytes=w)
         # Attention core: QK^T and PV, 4·d FLOPs per (query head, query, key) pair. A causal
         # prefill of n tokens has n(n+1)/2 pairs per head; a decode step has ctx pairs.
         ctx = float(ctx) if np.ndim(ctx) == 0 else np.asarray(ctx, dtype=np.float64)
@@ -313,12 +319,13 @@ class CostModel:
             return []
         h = p.hidden_size
         if variant.kind == "linear":
-            return [_Op(2.0 * t * h * h, variant.num_params(p) * self.wbytes + 2 * t * h * self.abytes, "matmul", wd,
-                        self.kernels["linear_ffn"], rows=t)]
+            w = variant.num_params(p) * self.wbytes
+            return [_Op(2.0 * t * h * h, w + 2 * t * h * self.abytes, "matmul", wd, self.kernels["linear_ffn"],
+                        rows=t, weight_bytes=w)]
         width = variant.intermediate_size or 0
         act = t * (2 * h + 3 * width) * self.abytes
-        return [_Op(2.0 * t * 3 * h * width, variant.num_params(p) * self.wbytes + act, "matmul", wd, self.kernels["mlp"],
-                    rows=t)]
+        w = variant.num_params(p) * self.wbytes
+        return [_Op(2.0 * t * 3 * h * width, w + act, "matmul", wd, self.kernels["mlp"], rows=t, weight_bytes=w)]
 
     def non_block_ops(self, n_seq: int, new_tokens: int) -> list[_Op]:
         """Embedding lookup, final norm and LM head; logits only for the last token of each sequence."""
@@ -327,7 +334,8 @@ class CostModel:
         logit_rows = n_seq  # serving engines (and `generate`) compute logits for the last position only
         flops = 2.0 * logit_rows * head
         nbytes = head * self.wbytes + n_seq * new_tokens * p.hidden_size * self.abytes + logit_rows * p.vocab_size * 4
-        return [_Op(flops, nbytes, "matmul", self.scenario.weight_dtype, self.kernels["non_block"], rows=logit_rows)]
+        return [_Op(flops, nbytes, "matmul", self.scenario.weight_dtype, self.kernels["non_block"], rows=logit_rows,
+                    weight_bytes=head * self.wbytes)]
 
     def step_ms(self, ops: Sequence[_Op]) -> np.ndarray | float:
         total: np.ndarray | float = 0.0

@@ -63,6 +63,9 @@ class HardwareProfile(BaseModel):
     matmul_half_rows : rows (tokens in a step) at which a matmul reaches half its large-matmul
         efficiency, eff(M) = eff · M / (M + half): skinny decode GEMMs run far below peak.
         0 turns the ramp off.
+    gemm_weight_passes : extra passes over the weights when a matmul has more than one row.
+        CPU BLAS packs weight panels for GEMM (M > 1) but streams them once for GEMV (M = 1),
+        which makes batch-2 decode markedly slower than batch-1 on a CPU; 0 on GPUs. Fitted.
     kernels : optional override of kernels per subblock (keys of `costs.DEFAULT_KERNELS`).
     sources : where each number comes from, keyed like the fields.
     """
@@ -79,6 +82,7 @@ class HardwareProfile(BaseModel):
     step_overhead_us: float = Field(default=0.0, ge=0)
     overlap: float = Field(default=1.0, ge=0, le=1)
     matmul_half_rows: float = Field(default=0.0, ge=0)
+    gemm_weight_passes: float = Field(default=0.0, ge=0)
     kernels: dict[str, int] | None = None
     sources: dict[str, str]
     calibration: dict[str, Any] | None = None
