@@ -7,6 +7,7 @@ Prints one line per (shape, method) and a total; `--json PATH` writes the number
   python bench/bench_iso_speed.py                      # everything, official Iso-CTS on all shapes
   python bench/bench_iso_speed.py --compose-largest    # official Iso-CTS on 4096×14336 is composed
                                                        # from measured SVD times (saves ~20 min on 2 cores)
+  python bench/bench_iso_speed.py --compose-above 16777216   # ... also on 4096×4096
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(f"{m}x{n}" for m, n in SHAPES))
     ap.add_argument("--compose-largest", action="store_true",
                     help="for the largest shape, compose official Iso-CTS time from measured SVD timings")
+    ap.add_argument("--compose-above", type=int, default=0,
+                    help="compose official Iso-CTS time for every shape with at least this many entries")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
@@ -70,7 +73,8 @@ def main() -> None:
         report(rows[-1], totals)
         del ref, fast
         t_fast, fast = timed(linalg.iso_cts_fast, deltas)
-        if args.compose_largest and shape == largest:
+        if (args.compose_largest and shape == largest) or (args.compose_above and
+                                                             shape[0] * shape[1] >= args.compose_above):
             # official Iso-CTS = SVD(sum) + T SVDs of residuals (same shape) + SVD(U m×r) + SVD(Vᵀ r×n)
             r = min(shape)
             t_u, _ = timed(torch.linalg.svd, torch.randn(shape[0], r), full_matrices=False)

@@ -74,7 +74,8 @@ class MergeInput:
         """Δ = θ − θ_base for tensor `name` in float32."""
         if self.kind == "model":
             assert base is not None
-            return self.loader.get_tensor(name).float() - base
+            # the loader returns a fresh buffer we own, so subtract in place (no second allocation)
+            return self.loader.get_tensor(name).float().sub_(base)
         assert base is not None
         if name in self.replaced:
             return self.loader.get_tensor(self.replaced[name]).float() - base

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mlxkit.engines.merge.methods.base import MergeMethod, ParamDef, TensorJob, weights_of
+from mlxkit.engines.merge.methods.base import MergeMethod, ParamDef, TensorJob
 
 
 class TaskArithmetic(MergeMethod):
@@ -15,10 +15,11 @@ class TaskArithmetic(MergeMethod):
         return [ParamDef("normalize", False, "divide by the sum of the weights")]
 
     def merge(self, tensors: list[torch.Tensor], job: TensorJob) -> torch.Tensor:
-        stacked = torch.stack(tensors)
-        w = weights_of(job, tensors[0])
-        out = (stacked * w).sum(0)
+        weights = [float(p.get("weight", 1.0)) for p in job.model_params] or [1.0] * len(tensors)
+        out = tensors[0] * weights[0]  # accumulate in place: no [T, ...] stack (memory-bound on CPU)
+        for t, w in zip(tensors[1:], weights[1:]):
+            out.add_(t, alpha=w)
         if job.params.get("normalize"):
-            total = float(w.sum())
+            total = sum(weights)
             out = out / (total if abs(total) > 1e-8 else 1.0)
         return out
