@@ -180,6 +180,14 @@ def test_decode_integrates_the_growing_context():
     assert total == pytest.approx((first + last) / 2 * steps, rel=0.02)  # linear in context when memory-bound
 
 
+def test_linear_subblocks_cost_the_same_in_attention_and_ffn():
+    # Both are one hidden x hidden matmul plus a norm: every decode step must be charged for both.
+    cm = CostModel(LLAMA70B, load_profile("h100"), Scenario.parse("batch=16,in=64,out=256"))
+    attention, ffn = cm.attention(AttentionVariant("linear")), cm.ffn(FFNVariant("linear"))
+    assert attention.runtime_ms == pytest.approx(ffn.runtime_ms)
+    assert attention.decode_runtime_ms == pytest.approx(255 * attention.decode_step_ms)
+
+
 def test_llama70b_cost_check_against_the_brief():
     # §10 of the Puzzle brief: batch 256, 128+1024 tokens, FP8 weights and KV cache on one H100.
     cm = CostModel(LLAMA70B, load_profile("h100"), Scenario.parse("batch=256,in=128,out=1024,weights=fp8"))

@@ -366,7 +366,9 @@ class CostModel:
         if key not in self._cache:
             s, p = self.scenario, self.parent
             prefill = float(self.attention_step_ms(variant, s.batch, s.input_len, s.input_len))
-            decode = float(np.sum(self.attention_step_ms(variant, s.batch, 1, self._decode_ctx))) if len(self._decode_ctx) else 0.0
+            # Per-step times vary with the context for GQA; linear attention gives one scalar for all steps.
+            steps = self.attention_step_ms(variant, s.batch, 1, self._decode_ctx)
+            decode = float(np.sum(np.broadcast_to(steps, self._decode_ctx.shape))) if len(self._decode_ctx) else 0.0
             n_kv = variant.n_kv_heads if variant.kind == "gqa" else 0
             kv_mib = s.batch * s.seq_len * 2 * (n_kv or 0) * p.head_dim * self.kvbytes / MIB
             params = variant.num_params(p)
