@@ -22,6 +22,10 @@ class ParentTail:
         self.pos = pos
         self.targets = val_ids[:, 1:]
         self.parent_logp = self._log_probs(final_state)
+        # Parent-side terms of KL(p || q) = sum p log p - sum p log q, computed once for every variant.
+        self.parent_p = self.parent_logp.exp()
+        self.parent_plogp = (self.parent_p * self.parent_logp).sum(-1)
+        self.parent_top1 = self.parent_logp.argmax(-1)
 
     def _log_probs(self, state: torch.Tensor) -> torch.Tensor:
         return F.log_softmax(self.model.lm_head(self.model.model.norm(state)).float(), dim=-1)
@@ -32,10 +36,9 @@ class ParentTail:
         return self._log_probs(state)
 
     def metrics(self, child_logp: torch.Tensor) -> dict[str, float]:
-        parent_logp = self.parent_logp
-        kl = (parent_logp.exp() * (parent_logp - child_logp)).sum(-1).mean()
+        kl = (self.parent_plogp - (self.parent_p * child_logp).sum(-1)).mean()
         lm_loss = -child_logp[:, :-1].gather(-1, self.targets.unsqueeze(-1)).mean()
-        agree = (child_logp.argmax(-1) == parent_logp.argmax(-1)).float().mean()
+        agree = (child_logp.argmax(-1) == self.parent_top1).float().mean()
         return {"kl_div": max(kl.item(), 0.0), "lm_loss": lm_loss.item(), "top1_agreement": agree.item()}
 
 

@@ -210,7 +210,7 @@ class MlxDeciLMModel(MlxDeciLMPreTrainedModel):
         hidden_states = self.norm(hidden_states)
         if all_hidden is not None:
             all_hidden[-1] = hidden_states
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=cache if use_cache else None,
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache if use_cache else None,
                                        hidden_states=tuple(all_hidden) if all_hidden is not None else None)
 
 
@@ -242,5 +242,5 @@ class MlxDeciLMForCausalLM(MlxDeciLMPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=outputs.cache,
                                       hidden_states=outputs.hidden_states)
