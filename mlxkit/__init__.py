@@ -18,7 +18,8 @@ def register_auto_classes() -> None:
     register()
 
 
-# The `mlx` command registers on its first model load instead (engines/models/loading.py):
-# importing torch and transformers up front would make `mlx --help` take seconds.
-if _os.path.basename(_sys.argv[0] if _sys.argv else "") not in ("mlx", "mlx.exe"):
+# The `mlx` command (and `python -m mlxkit`, whose argv[0] reads "-m" while this runs) registers
+# on its first model load instead (engines/models/loading.py): importing torch and transformers
+# up front would make `mlx --help` take seconds.
+if _os.path.basename(_sys.argv[0] if _sys.argv else "") not in ("mlx", "mlx.exe", "-m"):
     register_auto_classes()
