@@ -79,3 +79,19 @@ def test_costs_only_prices_from_a_config_without_weights(tiny_llama_dir, tmp_pat
     assert set(report["attention"]) == {"kv2", "kv1", "linear", "no_op"}
     assert report["attention"]["kv2"]["num_params"] > report["attention"]["kv1"]["num_params"]
     assert report["ffn"]["no_op"]["num_params"] == 0
+
+
+def test_search_builds_the_missing_library_then_reuses_it(tiny_llama_dir, text_file, tiny_recipe_file, tmp_path):
+    args = ["search", "--model", str(tiny_llama_dir), "--recipe", str(tiny_recipe_file), "--data", str(text_file),
+            "--throughput", "1.2x", "--json"]
+    first = runner.invoke(app, [*args, "--out", str(tmp_path / "a")])
+    assert first.exit_code == 0, first.output
+    library = json.loads(first.stdout)["library"]
+    assert (tmp_path / "a" / "config.json").exists()
+    from mlxkit.engines.puzzle.library import LibraryDir
+
+    block = next(LibraryDir(library).blocks.glob("*.safetensors"))
+    stamp = block.stat().st_mtime_ns
+    second = runner.invoke(app, [*args, "--out", str(tmp_path / "b")])
+    assert second.exit_code == 0, second.output
+    assert json.loads(second.stdout)["library"] == library and block.stat().st_mtime_ns == stamp

@@ -343,4 +343,7 @@ def _digest(text: str) -> str:
 def default_library_dir(model: str, recipe: str) -> Path:
     from mlxkit.engines.core.paths import cache_dir
 
-    return cache_dir() / "libraries" / f"{_digest(os.path.abspath(model) if os.path.exists(model) else model)}-{recipe}"
+    model_key = os.path.abspath(model) if os.path.exists(model) else model
+    if recipe.endswith((".yaml", ".yml")):  # a user's recipe file: keyed by its path, named by its stem
+        return cache_dir() / "libraries" / f"{_digest(model_key + '|' + os.path.abspath(recipe))}-{Path(recipe).stem}"
+    return cache_dir() / "libraries" / f"{_digest(model_key)}-{recipe}"
