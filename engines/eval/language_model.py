@@ -66,7 +66,7 @@ def evaluate(model, blocks: torch.Tensor, reference=None, reporter: Reporter | N
             task.update(ppl=math.exp(nll_sum / scored))
     nll = nll_sum / scored
     return EvalResult(
-        perplexity=math.exp(nll), nll=nll, tokens=scored, tokens_per_s=blocks[:n].numel() / max(model_seconds, 1e-9),
+        perplexity=math.exp(nll), nll=nll, tokens=scored, tokens_per_s=blocks.numel() / max(model_seconds, 1e-9),
         seconds=model_seconds, sequences=n, seq_len=seq_len,
         kl=kl_sum / scored if reference is not None else None,
         top1_agreement=agree / scored if reference is not None else None,

@@ -9,7 +9,6 @@ A spec is one of:
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -168,6 +167,3 @@ def describe_source(source: ModelSource) -> str:
     return {"alias": f"{source.spec} (cached at {source.path})", "gguf": f"{source.path} (GGUF, dequantised)",
             "hub": f"{source.hub_id} (hub)", "directory": str(source.path)}[source.kind]
 
-
-def source_path(source: ModelSource) -> os.PathLike | None:
-    return source.path

@@ -231,10 +231,7 @@ def _score(parent, space: SearchSpace, library: LibraryDir, val_ids: torch.Tenso
            dist: Distributed, reporter: Reporter) -> None:
     todo = [u for u in dist.share(_scoring_units(space)) if library.read_score(u.layer, u.kind, u.variant.name)
             is None]
-    if dist.is_main and library.read_score(-1, "parent", "parent") is None:
-        todo_parent = True
-    else:
-        todo_parent = False
+    todo_parent = dist.is_main and library.read_score(-1, "parent", "parent") is None
     if not todo and not todo_parent:
         return
     pos = activations.position_embeddings(parent, val_ids.shape[1])

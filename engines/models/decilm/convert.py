@@ -25,8 +25,6 @@ def check_parent(config) -> None:
                          f"got model_type '{config.model_type}'")
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", False):
         raise InputError("parents with sliding-window attention are not supported yet")
-    if config.model_type == "qwen2" and not getattr(config, "attention_bias", True):
-        pass
 
 
 def child_config(parent_config, choices: Sequence[BlockChoice] | None = None) -> MlxDeciLMConfig:
