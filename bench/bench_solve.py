@@ -12,6 +12,9 @@ Solvers: ssi (fp64, factor + solve; re-solve with the cached factors), spsolve (
 splu (SuperLU, MMD_AT_PLUS_A: the fastest ordering on these problems), pardiso (pypardiso, first call and
 a cached re-solve), pyamg (smoothed aggregation setup + CG solve to a relative residual of 1e-10).
 `--batch` adds the throughput test: 64 varcoef9 systems at 257^2, one batched SSI call vs a SciPy loop.
+
+Every worker, whatever its solver, first calls `keep_freed_memory()` (glibc keeps freed blocks in the
+heap instead of unmapping them), as `mlx solve` does; `--system-malloc` runs them all with glibc's defaults.
 """
 
 from __future__ import annotations
@@ -84,11 +87,20 @@ def _warm_up(solver: str) -> None:
         spla.spsolve(a.tocsc(), b)
 
 
+def _allocator() -> None:
+    from mlxkit.engines.core.memory import keep_freed_memory
+
+    if not os.environ.get("BENCH_SYSTEM_MALLOC"):
+        keep_freed_memory()
+
+
 def worker(solver: str, kind: str, n: int) -> dict:
     import scipy.sparse.linalg as spla
     import torch
 
     from mlxkit.engines.solve.grid import stencil_to_csr
+
+    _allocator()
 
     torch.set_num_threads(2)
     stencil = make_stencil(kind, n)
@@ -163,6 +175,7 @@ def batch_worker(count: int, n: int) -> dict:
     from mlxkit.engines.solve.grid import stencil_to_csr
     from mlxkit.engines.solve.ssi import SSIFactor
 
+    _allocator()
     torch.set_num_threads(2)
     stencils = np.stack([make_stencil("varcoef9", n, seed=k) for k in range(count)])
     b = np.random.default_rng(2).standard_normal((count, n, n))
@@ -179,10 +192,11 @@ def batch_worker(count: int, n: int) -> dict:
             "ssi_residual": float(res_ssi), "scipy_residual": float(res_sp), "peak_rss_gb": _rss_gb()}
 
 
-def _spawn(args: list[str], timeout: float) -> dict:
+def _spawn(args: list[str], timeout: float, system_malloc: bool) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", *args]
+    env = dict(os.environ, **({"BENCH_SYSTEM_MALLOC": "1"} if system_malloc else {}))
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return {"skipped": f"timed out after {timeout:.0f} s"}
     if done.returncode != 0:
@@ -198,6 +212,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run before it is skipped")
     parser.add_argument("--batch", action="store_true", help="also run the 64 x 257^2 throughput test")
     parser.add_argument("--json", help="write all results to this file")
+    parser.add_argument("--system-malloc", action="store_true", help="leave glibc's allocator at its defaults")
     parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -206,14 +221,15 @@ def main() -> None:
         print(json.dumps(result))
         return
     results = []
-    print(f"load average before the run: {os.getloadavg()[0]:.1f} (2 cores)")
+    print(f"load average before the run: {os.getloadavg()[0]:.1f} (2 cores); allocator: "
+          f"{'glibc defaults' if args.system_malloc else 'keep_freed_memory'}")
     print("| problem | n | solver | total s | factor/setup s | solve s | re-solve s | peak RSS GB | rel. residual |")
     print("|---|---|---|---|---|---|---|---|---|")
     for n in map(int, args.sizes.split(",")):
         for kind in args.problems.split(","):
             for solver in args.solvers.split(","):
                 r = {"skipped": SKIP[(solver, n)]} if (solver, n) in SKIP else _spawn([solver, kind, str(n)],
-                                                                                       args.timeout)
+                                                                                       args.timeout, args.system_malloc)
                 r.update(solver=solver, problem=kind, n=n)
                 results.append(r)
                 if "skipped" in r:
@@ -223,7 +239,7 @@ def main() -> None:
                 print(f"| {kind} | {n}² | {solver} | {fmt('total_s')} | {fmt('factor_s')} | {fmt('solve_s')} | "
                       f"{fmt('resolve_s')} | {r['peak_rss_gb']:.2f} | {r['residual']:.1e} |", flush=True)
     if args.batch:
-        r = _spawn(["batch", "64", "257"], args.timeout)
+        r = _spawn(["batch", "64", "257"], args.timeout, args.system_malloc)
         results.append({"batch": r})
         print(f"\nbatch 64 x 257² varcoef9: {json.dumps(r)}")
     print(f"load average after the run: {os.getloadavg()[0]:.1f}")

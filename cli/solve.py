@@ -28,8 +28,10 @@ def solve_command(
     quiet: QuietOpt = False,
     verbose: VerboseOpt = False,
 ) -> None:
+    from mlxkit.engines.core.memory import keep_freed_memory
     from mlxkit.engines.solve.runner import run_solve
 
+    keep_freed_memory()  # this process is ours: reuse freed pages across elimination levels
     reporter = make_reporter(json_out, quiet, verbose)
     report, _ = run_solve(file, rhs=rhs, grid=grid, method=method, nullspace=nullspace, dtype=dtype, leaf=leaf,
                           out=out, overwrite=overwrite, reporter=reporter)

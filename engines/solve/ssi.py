@@ -104,7 +104,10 @@ def _eliminate(m: torch.Tensor, kept: int) -> tuple[torch.Tensor, _Block, torch.
         lu, piv, info = lu_factor(ss)
         ratio = pivot_ratio(lu).masked_fill(info > 0, 0.0)
     t = lu_solve(lu, piv, sr)
-    schur = m[:, :, :kept, :kept] - rs @ t
+    # RR - RS T in one fused pass into a fresh buffer (no separate product temporary).
+    b, n = m.shape[:2]
+    schur = torch.baddbmm(m[:, :, :kept, :kept].flatten(0, 1), rs.flatten(0, 1), t.flatten(0, 1),
+                          alpha=-1).view(b, n, kept, kept)
     return schur, _Block(lu=lu, piv=piv, rs=rs, t=t, kept=kept), ratio
 
 
