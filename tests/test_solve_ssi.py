@@ -72,6 +72,23 @@ def test_leaf_sizes(leaf):
     assert rel_res(stencil_to_csr(s), x.ravel(), b.ravel()) <= 1e-10
 
 
+@pytest.mark.parametrize("workers", [1, 3])
+def test_worker_threads_give_the_same_solution(workers):
+    # pieces of uneven size (3 workers over odd block counts) must reassemble in the right order
+    rng = np.random.default_rng(7)
+    stencils = np.stack([nine_point(rng, 45, 38) for _ in range(2)])
+    b = rng.standard_normal((2, 45, 38, 2))
+    one = SSIFactor(stencils, workers=1)
+    many = SSIFactor(stencils, workers=workers)
+    assert many.nbytes() == one.nbytes()
+    for transpose in (False, True):
+        x1 = one.solve(torch.from_numpy(b), transpose=transpose).numpy()
+        xw = many.solve(torch.from_numpy(b), transpose=transpose).numpy()
+        assert np.abs(xw - x1).max() <= 1e-12 * np.abs(x1).max()
+        a = stencil_to_csr(stencils[1])
+        assert rel_res(a.T if transpose else a, xw[1].reshape(-1, 2), b[1].reshape(-1, 2)) <= 1e-10
+
+
 def test_batched_multi_rhs_transpose_and_resolve():
     rng = np.random.default_rng(1)
     stencils = np.stack([nine_point(rng, 21, 30) for _ in range(4)])

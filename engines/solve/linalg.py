@@ -5,22 +5,24 @@ Two facts about torch's CPU LAPACK bindings shape this module (measured with tor
 * `torch.linalg.lu_factor` on a *batch* of matrices of order >= ~150 with more than one intra-op
   thread returns wrong factors (invalid pivots, oneMKL "DLASWP" errors). Single matrices are fine, so
   large blocks are factorised one at a time.
-* Batched LAPACK calls (`lu_solve` above all) run ~10x slower with 2 threads than with 1, so
-  levels of many small blocks run single-threaded (`one_thread`), and with several threads a batch
-  of large blocks is solved one matrix at a time, each call using every thread.
+* Batched LAPACK calls (`lu_solve` above all) run ~10x slower with 2 threads than with 1, so every
+  kernel runs on one intra-op thread (`one_thread`) and parallelism comes from `BlockWorkers`, which
+  hands disjoint blocks of a level to Python threads (1.7x on 2 cores at 1025^2). With several intra-op
+  threads anyway, a batch of large blocks is solved one matrix at a time, each call using every thread.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterator, TypeVar
 
 import torch
 
+T = TypeVar("T")
+
 # Order from which a batch is factorised matrix by matrix (see the module docstring).
 _LOOP_FROM = 64
-# Only levels with a few blocks of at least this order run multi-threaded (ssi.py).
-SMALL = 512
 
 
 @contextlib.contextmanager
@@ -92,3 +94,47 @@ def pivot_ratio(lu: torch.Tensor) -> torch.Tensor:
     top = diag.amax(-1)
     return torch.where(top > 0, diag.amin(-1) / torch.where(top > 0, top, torch.ones_like(top)),
                        torch.zeros_like(top))
+
+
+class BlockWorkers:
+    """Run independent batches of block work on several Python threads, each on one intra-op thread.
+
+    torch releases the GIL inside its kernels, so two threads that each eliminate half of a level's
+    blocks overlap almost fully, where torch's own intra-op threading over a batch of small LAPACK
+    calls is slower than one thread (module docstring). Thread-local state that the work relies on
+    (one intra-op thread, grad mode off, flush-to-zero for fp32) is set in every worker.
+    """
+
+    def __init__(self, workers: int, flush_denormal: bool = False) -> None:
+        self.workers = max(1, int(workers))
+        self._pool = None
+        if self.workers > 1:
+            self._pool = ThreadPoolExecutor(self.workers, initializer=self._init_thread, initargs=(flush_denormal,))
+
+    @staticmethod
+    def _init_thread(flush_denormal: bool) -> None:
+        torch.set_num_threads(1)
+        torch.set_flush_denormal(flush_denormal)
+
+    def split(self, count: int) -> list[tuple[int, int]]:
+        """Contiguous ranges covering 0..count, one per worker (fewer when there are fewer items)."""
+        parts = min(self.workers, count) if self._pool is not None else 1
+        edges = [count * k // max(1, parts) for k in range(parts + 1)]
+        return [(lo, hi) for lo, hi in zip(edges[:-1], edges[1:])] or [(0, 0)]
+
+    def map(self, jobs: list[Callable[[], T]]) -> list[T]:
+        """Results of `jobs`, in order; the first exception raised by a job propagates."""
+        if self._pool is None or len(jobs) < 2:
+            return [job() for job in jobs]
+        futures = [self._pool.submit(self._no_grad, job) for job in jobs]
+        return [f.result() for f in futures]
+
+    @staticmethod
+    def _no_grad(job: Callable[[], T]) -> T:
+        with torch.no_grad():
+            return job()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None

@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from mlxkit.engines.errors import InputError, SingularMatrixError
-from mlxkit.engines.solve.linalg import SMALL, lu_factor, lu_solve, one_thread, pivot_ratio
-from mlxkit.engines.solve.plan import Plan, build_plan
+from mlxkit.engines.solve.linalg import BlockWorkers, lu_factor, lu_solve, one_thread, pivot_ratio
+from mlxkit.engines.solve.plan import LeafGroup, MergeGroup, Plan, build_plan
 
 
 class SolverWarning(UserWarning):
@@ -93,6 +93,17 @@ class _Block:
         return sum(t.numel() * t.element_size() for t in (self.lu, self.piv, self.rs, self.t))
 
 
+@dataclass
+class _Piece:
+    """Blocks ``lo:hi`` of one leaf or merge group, eliminated together by one worker."""
+
+    group: LeafGroup | MergeGroup
+    lo: int
+    hi: int
+    block: _Block
+    index: tuple[torch.Tensor, ...]  # leaves: (ys, xs); merges: (il, ir, pl, pr), positions sliced to lo:hi
+
+
 def _eliminate(m: torch.Tensor, kept: int) -> tuple[torch.Tensor, _Block, torch.Tensor]:
     """Schur complement of the trailing block of ``m [B, n, k, k]``; also returns each block's pivot ratio."""
     ss = m[:, :, kept:, kept:]
@@ -156,8 +167,9 @@ class SSIFactor:
         Raise `SingularMatrixError` when a pivot block is singular to working precision.
     pivot_tol : float, optional
         Override the singularity threshold of `pivot_tolerance`.
-    threaded_top : bool
-        Let the last few levels (a handful of blocks of order >= 512) use all intra-op threads.
+    workers : int, optional
+        Python threads that eliminate disjoint parts of each level at once (CPU only; default: torch's
+        intra-op thread count). Results do not depend on it beyond rounding.
 
     Examples
     --------
@@ -173,13 +185,13 @@ class SSIFactor:
 
     def __init__(self, stencil, *, dtype: torch.dtype = torch.float64, device: str | torch.device = "cpu",
                  leaf: int = 4, check: bool = True, pivot_tol: float | None = None,
-                 threaded_top: bool = False) -> None:
+                 workers: int | None = None) -> None:
         if dtype not in (torch.float64, torch.float32):
             raise InputError(f"dtype must be float64 or float32, got {dtype}")
         self.dtype, self.device = dtype, torch.device(device)
-        # On CPU every level runs on one thread by default: on a shared 2-core machine OpenMP start-up and
-        # spinning cost more than a second thread gains (513^2: 5.8 s vs 9.2 s wall under load).
-        self.threaded_top = threaded_top
+        # Each worker runs one intra-op thread: torch's own threading over batches of small LAPACK calls
+        # loses to one thread (linalg.py), while splitting a level's blocks between threads scales.
+        self.workers = 1 if self.device.type != "cpu" else (torch.get_num_threads() if workers is None else workers)
         s, self.batched = _as_stencil(stencil, dtype, self.device)
         self.batch, self.height, self.width = s.shape[0], s.shape[1], s.shape[2]
         self.plan = _cached_plan(self.height, self.width, max(1, int(leaf)))
@@ -221,60 +233,70 @@ class SSIFactor:
                 torch.as_tensor(node, dtype=self.dtype, device=self.device))
 
     def _factor(self, s: torch.Tensor) -> None:
-        plan = self.plan
         entry_w, self._node_w = self._weights()
         sw = (s * entry_w).reshape(self.batch, self.height, self.width, 9)
-        ratio = s.new_full((self.batch,), float("inf"))
         t0 = time.perf_counter()
-        self._leaf_idx, self._leaf_blocks, level = [], [], []
-        # The leaf level and the first merge levels are many small blocks: one thread, switched once.
-        with contextlib.ExitStack() as small_levels:
-            small_levels.enter_context(one_thread(self.device.type == "cpu"))
-            self._factor_leaves(s, sw, level)
-            for r in self._leaf_ratio:
-                ratio = torch.minimum(ratio, r)
-            self.profile.append(("schwarz (leaf patches)", time.perf_counter() - t0))
-            self._factor_merges(s, level, ratio, small_levels)
+        workers = BlockWorkers(self.workers, flush_denormal=self.dtype == torch.float32)
+        try:
+            with one_thread(self.device.type == "cpu"):
+                level, ratio = self._factor_leaves(s, sw, workers)
+                self.profile.append(("schwarz (leaf patches)", time.perf_counter() - t0))
+                self._factor_merges(s, level, ratio, workers)
+        finally:
+            workers.close()
 
-    def _factor_leaves(self, s: torch.Tensor, sw: torch.Tensor, level: list[torch.Tensor]) -> None:
-        self._leaf_ratio = []
-        for g in self.plan.leaves:
-            ys, xs = self._index(g.ys), self._index(g.xs)
+    def _factor_leaves(self, s: torch.Tensor, sw: torch.Tensor,
+                       workers: BlockWorkers) -> tuple[list[torch.Tensor], torch.Tensor]:
+        def eliminate(g, lo: int, hi: int, ys: torch.Tensor, xs: torch.Tensor):
             m = len(g.order)
             vals = sw[:, ys[:, g.rows], xs[:, g.rows], self._index(g.offset)]
-            dense = s.new_zeros(self.batch, len(g.members), m * m)
+            dense = s.new_zeros(self.batch, hi - lo, m * m)
             dense[:, :, self._index(g.rows * m + g.cols)] = vals
-            schur, block, r = _eliminate(dense.view(self.batch, -1, m, m), len(g.kept))
-            self._leaf_ratio.append(r.amin(1))
-            self._leaf_idx.append((ys, xs))
-            self._leaf_blocks.append(block)
-            level.append(schur)
+            return _eliminate(dense.view(self.batch, -1, m, m), len(g.kept))
+
+        jobs, where = [], []
+        for gi, g in enumerate(self.plan.leaves):
+            ys, xs = self._index(g.ys), self._index(g.xs)
+            for lo, hi in workers.split(len(g.members)):
+                sl = (ys[lo:hi], xs[lo:hi])
+                jobs.append(functools.partial(eliminate, g, lo, hi, *sl))
+                where.append((gi, lo, hi, sl))
+        self._leaf_pieces: list[list[_Piece]] = [[] for _ in self.plan.leaves]
+        parts: list[list[torch.Tensor]] = [[] for _ in self.plan.leaves]
+        ratio = s.new_full((self.batch,), float("inf"))
+        for (gi, lo, hi, sl), (schur, block, r) in zip(where, workers.map(jobs)):
+            self._leaf_pieces[gi].append(_Piece(self.plan.leaves[gi], lo, hi, block, sl))
+            parts[gi].append(schur)
+            ratio = torch.minimum(ratio, r.amin(1))
+        return [torch.cat(p, dim=1) if len(p) > 1 else p[0] for p in parts], ratio
 
     def _factor_merges(self, s: torch.Tensor, level: list[torch.Tensor], ratio: torch.Tensor,
-                       small_levels: contextlib.ExitStack) -> None:
-        plan = self.plan
-        self._steps = []
-        for k, step in enumerate(plan.steps):
+                       workers: BlockWorkers) -> None:
+        def eliminate(mg, lo: int, hi: int, flat_l, flat_r, pl, pr):
+            dense = s.new_zeros(self.batch, hi - lo, mg.size, mg.size)
+            _scatter_square(dense, flat_l, level[mg.left_group][:, pl], add=False)
+            _scatter_square(dense, flat_r, level[mg.right_group][:, pr], add=True)
+            return _eliminate(dense, mg.kept)
+
+        self._steps: list[list[_Piece]] = []
+        for k, step in enumerate(self.plan.steps):
             t0 = time.perf_counter()
-            blocks, idx = [], []
-            parts: list[list[torch.Tensor]] = [[] for _ in step.groups]
-            blocks_here = self.batch * sum(mg.count for mg in step.merges)
-            if self.threaded_top and max(mg.size for mg in step.merges) >= SMALL and blocks_here <= 8:
-                small_levels.close()  # a few large blocks from here on: threads pay off inside each
+            jobs, where = [], []
             for mg in step.merges:
                 il, ir = self._index(mg.index_left), self._index(mg.index_right)
                 pl, pr = self._index(mg.left_pos), self._index(mg.right_pos)
-                dense = s.new_zeros(self.batch, mg.count, mg.size, mg.size)
-                _scatter_square(dense, _flat(il, mg.size), level[mg.left_group][:, pl], add=False)
-                _scatter_square(dense, _flat(ir, mg.size), level[mg.right_group][:, pr], add=True)
-                schur, block, r = _eliminate(dense, mg.kept)
-                del dense
+                flat_l, flat_r = _flat(il, mg.size), _flat(ir, mg.size)
+                for lo, hi in workers.split(mg.count):
+                    jobs.append(functools.partial(eliminate, mg, lo, hi, flat_l, flat_r, pl[lo:hi], pr[lo:hi]))
+                    where.append((mg, lo, hi, (il, ir, pl[lo:hi], pr[lo:hi])))
+            parts: list[list[torch.Tensor]] = [[] for _ in step.groups]
+            pieces = []
+            for (mg, lo, hi, index), (schur, block, r) in zip(where, workers.map(jobs)):
                 ratio = torch.minimum(ratio, r.amin(1))
-                parts[mg.out_group].append(schur)
-                blocks.append(block)
-                idx.append((il, ir, pl, pr))
+                parts[mg.out_group].append(schur)  # merges are listed in output order, pieces in lo order
+                pieces.append(_Piece(mg, lo, hi, block, index))
             level = [torch.cat(p, dim=1) if len(p) > 1 else p[0] for p in parts]
-            self._steps.append((blocks, idx))
+            self._steps.append(pieces)
             sizes = max(mg.size - mg.kept for mg in step.merges)
             self.profile.append((f"schur {k + 1} ({step.axis}, separator <= {sizes})", time.perf_counter() - t0))
         self._ratio = ratio
@@ -283,8 +305,8 @@ class SSIFactor:
 
     def nbytes(self) -> int:
         """Memory held by the factorisation."""
-        blocks = self._leaf_blocks + [b for blocks, _ in self._steps for b in blocks]
-        return sum(b.nbytes() for b in blocks)
+        pieces = [p for g in self._leaf_pieces for p in g] + [p for step in self._steps for p in step]
+        return sum(p.block.nbytes() for p in pieces)
 
     def _normalise_rhs(self, b) -> tuple[torch.Tensor, tuple[int, ...]]:
         b = torch.as_tensor(b)
@@ -318,36 +340,40 @@ class SSIFactor:
         bsz, channels = b.shape[0], b.shape[-1]
         bw = b * self._node_w[None, :, :, None]
         level, saved_leaf = [], []
-        for (ys, xs), block in zip(self._leaf_idx, self._leaf_blocks):
-            kept, keep = block.up(bw[:, ys, xs, :], transpose)
-            level.append(kept)
-            saved_leaf.append(keep)
+        for pieces in self._leaf_pieces:
+            ups = [p.block.up(bw[:, p.index[0], p.index[1], :], transpose) for p in pieces]
+            level.append(torch.cat([kept for kept, _ in ups], dim=1) if len(ups) > 1 else ups[0][0])
+            saved_leaf.append([keep for _, keep in ups])
         saved_steps = []
-        for step, (blocks, idx) in zip(self.plan.steps, self._steps):
+        for step, pieces in zip(self.plan.steps, self._steps):
             parts: list[list[torch.Tensor]] = [[] for _ in step.groups]
             saved = []
-            for mg, block, (il, ir, pl, pr) in zip(step.merges, blocks, idx):
-                f = b.new_zeros(bsz, mg.count, mg.size, channels)
+            for p in pieces:
+                mg, (il, ir, pl, pr) = p.group, p.index
+                f = b.new_zeros(bsz, p.hi - p.lo, mg.size, channels)
                 f.index_copy_(2, il, level[mg.left_group][:, pl])
                 f.index_add_(2, ir, level[mg.right_group][:, pr])
-                kept, keep = block.up(f, transpose)
+                kept, keep = p.block.up(f, transpose)
                 parts[mg.out_group].append(kept)
                 saved.append(keep)
-            level = [torch.cat(p, dim=1) if len(p) > 1 else p[0] for p in parts]
+            level = [torch.cat(q, dim=1) if len(q) > 1 else q[0] for q in parts]
             saved_steps.append(saved)
         # The root keeps nothing; walk back down.
         u = [b.new_zeros(bsz, len(g.members), len(g.kept), channels)
              for g in (self.plan.steps[-1].groups if self.plan.steps else self.plan.leaves)]
         for k in range(len(self.plan.steps) - 1, -1, -1):
-            step, (blocks, idx) = self.plan.steps[k], self._steps[k]
+            step = self.plan.steps[k]
             below = self.plan.steps[k - 1].groups if k else self.plan.leaves
             child = [b.new_zeros(bsz, len(g.members), len(g.kept), channels) for g in below]
-            for mg, block, (il, ir, pl, pr), keep in zip(step.merges, blocks, idx, saved_steps[k]):
-                full = block.down(u[mg.out_group][:, mg.out_start:mg.out_start + mg.count], keep, transpose)
+            for p, keep in zip(self._steps[k], saved_steps[k]):
+                mg, (il, ir, pl, pr) = p.group, p.index
+                start = mg.out_start + p.lo
+                full = p.block.down(u[mg.out_group][:, start:start + p.hi - p.lo], keep, transpose)
                 child[mg.left_group][:, pl] = full[:, :, il]
                 child[mg.right_group][:, pr] = full[:, :, ir]
             u = child
         x = torch.empty_like(b)
-        for (ys, xs), block, keep, u_g in zip(self._leaf_idx, self._leaf_blocks, saved_leaf, u):
-            x[:, ys, xs, :] = block.down(u_g, keep, transpose)
+        for pieces, keeps, u_g in zip(self._leaf_pieces, saved_leaf, u):
+            for p, keep in zip(pieces, keeps):
+                x[:, p.index[0], p.index[1], :] = p.block.down(u_g[:, p.lo:p.hi], keep, transpose)
         return x
