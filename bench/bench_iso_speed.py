@@ -58,20 +58,28 @@ def main() -> None:
                     help="for the largest shape, compose official Iso-CTS time from measured SVD timings")
     ap.add_argument("--compose-above", type=int, default=0,
                     help="compose official Iso-CTS time for every shape with at least this many entries")
+    ap.add_argument("--methods", default="iso-c,iso-cts", help="comma-separated subset of iso-c,iso-cts")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     largest = max(shapes, key=lambda s: s[0] * s[1])
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
-    rows, totals = [], {"iso-c": [0.0, 0.0], "iso-cts": [0.0, 0.0]}
+    methods = args.methods.split(",")
+    if (args.compose_largest or args.compose_above) and "iso-c" not in methods:
+        raise SystemExit("composing official Iso-CTS times needs the Iso-C SVD timings: include iso-c in --methods")
+    rows, totals = [], {m: [0.0, 0.0] for m in methods}
     for shape in shapes:
         deltas = task_vectors(shape, args.tasks, seed=0)
         total = sum(deltas)
-        t_ref, ref = timed(linalg.iso_c_reference, total)
-        t_fast, fast = timed(linalg.iso_c_fast, total)
-        rows.append({"shape": shape, "method": "iso-c", "official_s": t_ref, "ours_s": t_fast, "rel_err": rel(fast, ref)})
-        report(rows[-1], totals)
-        del ref, fast
+        if "iso-c" in methods:
+            t_ref, ref = timed(linalg.iso_c_reference, total)
+            t_fast, fast = timed(linalg.iso_c_fast, total)
+            rows.append({"shape": shape, "method": "iso-c", "official_s": t_ref, "ours_s": t_fast,
+                         "rel_err": rel(fast, ref)})
+            report(rows[-1], totals)
+            del ref, fast
+        if "iso-cts" not in methods:
+            continue
         t_fast, fast = timed(linalg.iso_cts_fast, deltas)
         if (args.compose_largest and shape == largest) or (args.compose_above and
                                                              shape[0] * shape[1] >= args.compose_above):
