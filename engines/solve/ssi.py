@@ -331,49 +331,65 @@ class SSIFactor:
         result has the same shape.
         """
         b4, shape = self._normalise_rhs(b)
-        # Solves are a chain of small batched products: one thread avoids per-op start-up costs.
-        with flush_denormals(self.dtype), torch.no_grad(), one_thread(self.device.type == "cpu"):
-            x = self._solve4(b4, transpose)
+        # A solve streams through the stored factors once up and once down (memory-bound products):
+        # the same split between worker threads as the factorisation, one intra-op thread each.
+        workers = BlockWorkers(self.workers, flush_denormal=self.dtype == torch.float32)
+        try:
+            with flush_denormals(self.dtype), torch.no_grad(), one_thread(self.device.type == "cpu"):
+                x = self._solve4(b4, transpose, workers)
+        finally:
+            workers.close()
         return x.reshape(shape)
 
-    def _solve4(self, b: torch.Tensor, transpose: bool) -> torch.Tensor:
+    def _solve4(self, b: torch.Tensor, transpose: bool, workers: BlockWorkers) -> torch.Tensor:
         bsz, channels = b.shape[0], b.shape[-1]
         bw = b * self._node_w[None, :, :, None]
+
+        def leaf_up(p: _Piece):
+            return p.block.up(bw[:, p.index[0], p.index[1], :], transpose)
+
+        def merge_up(p: _Piece, level: list[torch.Tensor]):
+            mg, (il, ir, pl, pr) = p.group, p.index
+            f = b.new_zeros(bsz, p.hi - p.lo, mg.size, channels)
+            f.index_copy_(2, il, level[mg.left_group][:, pl])
+            f.index_add_(2, ir, level[mg.right_group][:, pr])
+            return p.block.up(f, transpose)
+
+        def merge_down(p: _Piece, keep: torch.Tensor, u: list[torch.Tensor]):
+            mg = p.group
+            start = mg.out_start + p.lo
+            return p.block.down(u[mg.out_group][:, start:start + p.hi - p.lo], keep, transpose)
+
         level, saved_leaf = [], []
         for pieces in self._leaf_pieces:
-            ups = [p.block.up(bw[:, p.index[0], p.index[1], :], transpose) for p in pieces]
+            ups = workers.map([functools.partial(leaf_up, p) for p in pieces])
             level.append(torch.cat([kept for kept, _ in ups], dim=1) if len(ups) > 1 else ups[0][0])
             saved_leaf.append([keep for _, keep in ups])
         saved_steps = []
         for step, pieces in zip(self.plan.steps, self._steps):
             parts: list[list[torch.Tensor]] = [[] for _ in step.groups]
-            saved = []
-            for p in pieces:
-                mg, (il, ir, pl, pr) = p.group, p.index
-                f = b.new_zeros(bsz, p.hi - p.lo, mg.size, channels)
-                f.index_copy_(2, il, level[mg.left_group][:, pl])
-                f.index_add_(2, ir, level[mg.right_group][:, pr])
-                kept, keep = p.block.up(f, transpose)
-                parts[mg.out_group].append(kept)
-                saved.append(keep)
+            ups = workers.map([functools.partial(merge_up, p, level) for p in pieces])
+            for p, (kept, _) in zip(pieces, ups):
+                parts[p.group.out_group].append(kept)
             level = [torch.cat(q, dim=1) if len(q) > 1 else q[0] for q in parts]
-            saved_steps.append(saved)
+            saved_steps.append([keep for _, keep in ups])
         # The root keeps nothing; walk back down.
         u = [b.new_zeros(bsz, len(g.members), len(g.kept), channels)
              for g in (self.plan.steps[-1].groups if self.plan.steps else self.plan.leaves)]
         for k in range(len(self.plan.steps) - 1, -1, -1):
-            step = self.plan.steps[k]
             below = self.plan.steps[k - 1].groups if k else self.plan.leaves
             child = [b.new_zeros(bsz, len(g.members), len(g.kept), channels) for g in below]
-            for p, keep in zip(self._steps[k], saved_steps[k]):
+            fulls = workers.map([functools.partial(merge_down, p, keep, u)
+                                 for p, keep in zip(self._steps[k], saved_steps[k])])
+            for p, full in zip(self._steps[k], fulls):
                 mg, (il, ir, pl, pr) = p.group, p.index
-                start = mg.out_start + p.lo
-                full = p.block.down(u[mg.out_group][:, start:start + p.hi - p.lo], keep, transpose)
                 child[mg.left_group][:, pl] = full[:, :, il]
                 child[mg.right_group][:, pr] = full[:, :, ir]
             u = child
         x = torch.empty_like(b)
         for pieces, keeps, u_g in zip(self._leaf_pieces, saved_leaf, u):
-            for p, keep in zip(pieces, keeps):
-                x[:, p.index[0], p.index[1], :] = p.block.down(u_g[:, p.lo:p.hi], keep, transpose)
+            fulls = workers.map([functools.partial(p.block.down, u_g[:, p.lo:p.hi], keep, transpose)
+                                 for p, keep in zip(pieces, keeps)])
+            for p, full in zip(pieces, fulls):
+                x[:, p.index[0], p.index[1], :] = full
         return x
