@@ -36,6 +36,11 @@ METHODS = ["iso-c", "iso-cts", "task-arithmetic", "ties", "dare-ties", "dare-lin
 METHOD_PARAMS = {"ties": {"density": 0.2}, "dare-ties": {"drop_rate": 0.9}, "dare-linear": {"drop_rate": 0.9},
                  "slerp": {"t": 0.5}}
 ALPHA_GRID = [0.2, 0.4, 0.6, 0.8, 1.0, 1.2, 1.5, 2.0]
+# Checks of the fast spectral kernels at the merged-model level, at the α their fast method chose:
+# the official full-SVD implementations, and Iso-CTS with the randomized residual directions forced on
+# every tall matrix (SmolLM2's are all narrow enough for the exact path by default).
+VARIANTS = {"iso-c@official": ("iso-c", {"exact": True}), "iso-cts@official": ("iso-cts", {"exact": True}),
+            "iso-cts@randomized": ("iso-cts", {"exact_below": 0})}
 
 
 def domain_texts() -> dict[str, str]:
@@ -151,10 +156,15 @@ def stage_merge(work: Path, data: dict, domains: list[str], methods: list[str], 
         if method in res:
             continue
         models = [str(work / f"ft-{d}") for d in domains]
-        cfg = {"merge_method": method, "base_model": base_dir, "parameters": METHOD_PARAMS.get(method, {})}
+        name, params = VARIANTS.get(method, (method, METHOD_PARAMS.get(method, {})))
+        cfg = {"merge_method": name, "base_model": base_dir, "parameters": params}
         if method == "slerp":
             models = models[:2]
-        if get(method).uses_deltas:
+        if method in VARIANTS:
+            if name not in res:
+                raise SystemExit(f"{method} reuses the α of {name}: merge {name} first")
+            cfg.update(alpha=res[name]["alpha"])
+        elif get(method).uses_deltas:
             cfg.update(alpha="auto", eval_data=val_files, alpha_grid=ALPHA_GRID, eval_tokens=4096, eval_seq_len=256)
         cfg["models"] = [{"model": m} for m in models]
         out = work / f"merged-{method}"
@@ -173,12 +183,27 @@ def stage_merge(work: Path, data: dict, domains: list[str], methods: list[str], 
     return res
 
 
+def print_table(evals: dict, results: dict, domains: list[str]) -> None:
+    """Markdown: held-out loss per domain for the base, each fine-tune and each merge, plus the normalised score."""
+    print("\n| model | α | " + " | ".join(domains) + " | mean normalised |")
+    print("|---|---|" + "---|" * len(domains) + "---|")
+    print("| base | – | " + " | ".join(f"{evals['base'][d]:.4f}" for d in domains) + " | 0 |")
+    for t in domains:
+        own = {d: evals[f"ft-{t}"][d] for d in domains}
+        print(f"| fine-tune {t} | – | " + " | ".join(f"**{own[d]:.4f}**" if d == t else f"{own[d]:.4f}"
+                                                  for d in domains) + " | – |")
+    for method, r in results.items():
+        alpha = "–" if r.get("alpha") is None else f"{r['alpha']:g}"
+        print(f"| {method} | {alpha} | " + " | ".join(f"{r['test_loss'][d]:.4f}" for d in domains)
+              + f" | {r['mean_normalised']:.3f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", default=str(ROOT / "runs" / "merge_quality"))
     ap.add_argument("--only", choices=["data", "finetune", "eval", "merge"], default=None)
     ap.add_argument("--domains", default="wikitext,shakespeare,python,licenses")
-    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--methods", default=",".join(METHODS + list(VARIANTS)))
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=256)
@@ -206,7 +231,8 @@ def main() -> None:
     evals = stage_eval(work, data, domains)
     if args.only == "eval":
         return
-    stage_merge(work, data, domains, args.methods.split(","), evals)
+    results = stage_merge(work, data, domains, args.methods.split(","), evals)
+    print_table(evals, results, domains)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ class IsoCTS(MergeMethod):
         return [
             ParamDef("common_frac", 0.8, "fraction k/r of directions taken from the common subspace"),
             ParamDef("power_iters", 4, "subspace iterations of the randomized SVD (tall matrices only)"),
+            ParamDef("exact_below", 1024, "tall matrices with at most this many columns get exact residual "
+                                          "directions; wider ones use the randomized SVD"),
             ParamDef("exact", False, "use the official T+3 full SVDs instead of the fast path"),
         ]
 
@@ -35,4 +37,5 @@ class IsoCTS(MergeMethod):
             raise InputError(f"common_frac must be in (0, 1] (got {frac})")
         if job.params.get("exact"):
             return linalg.iso_cts_reference(tensors, frac)
-        return linalg.iso_cts_fast(tensors, frac, power_iters=int(job.params.get("power_iters", 4)), seed=job.seed)
+        return linalg.iso_cts_fast(tensors, frac, power_iters=int(job.params.get("power_iters", 4)), seed=job.seed,
+                                   exact_below=int(job.params.get("exact_below", 1024)))
