@@ -12,6 +12,9 @@ Method (Wang, Abulnaga, Balbastre, Fischl, ICML 2025; see shared/research/solver
 Each elimination of ``[[RR, RS], [SR, SS]]`` stores ``LU(SS)``, ``RS`` and ``T = SS^-1 SR``; the
 Schur complement is ``RR - RS T``. No inverse is formed. Those three tensors serve plain and transposed
 solves alike, so a factorisation is computed once and re-solves any number of right-hand sides.
+
+On CPU the blocks of every level are split into contiguous *pieces*, one per worker thread; a piece is
+what one thread eliminates (and later solves with), so the stored factors are kept per piece.
 """
 
 from __future__ import annotations
