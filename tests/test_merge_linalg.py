@@ -29,6 +29,13 @@ def test_iso_cts_fast_matches_reference(shape, frac):
     assert rel(iso_cts_fast(deltas, frac), iso_cts_reference(deltas, frac)) < 1e-4
 
 
+@pytest.mark.parametrize("shape", [(24, 96), (96, 24), (40, 40), (30, 50)])  # Gram path (aspect <= 0.5) and SVD path
+def test_iso_c_fast_matches_reference(shape):
+    gen = torch.Generator().manual_seed(5)
+    total = sum(torch.randn(shape, generator=gen) for _ in range(3))
+    assert rel(iso_c_fast(total), iso_c_reference(total)) < 1e-5
+
+
 def test_iso_cts_randomized_tall_path_is_close():
     gen = torch.Generator().manual_seed(2)
     # decaying spectra, as real task vectors have: the randomized range finder sees them well
