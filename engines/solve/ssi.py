@@ -139,6 +139,11 @@ def _scatter_square(dense: torch.Tensor, flat: torch.Tensor, block: torch.Tensor
         target.index_copy_(2, flat, source)
 
 
+def _join(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The pieces of one group, in block order, as one ``[B, n, ...]`` tensor (no copy for a single piece)."""
+    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+
+
 def _flat(index: torch.Tensor, size: int) -> torch.Tensor:
     return (index[:, None] * size + index[None, :]).reshape(-1)
 
@@ -254,19 +259,20 @@ class SSIFactor:
 
     def _factor_leaves(self, s: torch.Tensor, sw: torch.Tensor,
                        workers: BlockWorkers) -> tuple[list[torch.Tensor], torch.Tensor]:
-        def eliminate(g, lo: int, hi: int, ys: torch.Tensor, xs: torch.Tensor):
+        def eliminate(g, rows, offset, flat, ys: torch.Tensor, xs: torch.Tensor):
             m = len(g.order)
-            vals = sw[:, ys[:, g.rows], xs[:, g.rows], self._index(g.offset)]
-            dense = s.new_zeros(self.batch, hi - lo, m * m)
-            dense[:, :, self._index(g.rows * m + g.cols)] = vals
+            dense = s.new_zeros(self.batch, ys.shape[0], m * m)
+            dense[:, :, flat] = sw[:, ys[:, rows], xs[:, rows], offset]
             return _eliminate(dense.view(self.batch, -1, m, m), len(g.kept))
 
         jobs, where = [], []
         for gi, g in enumerate(self.plan.leaves):
             ys, xs = self._index(g.ys), self._index(g.xs)
+            rows, offset = self._index(g.rows), self._index(g.offset)
+            flat = self._index(g.rows * len(g.order) + g.cols)
             for lo, hi in workers.split(len(g.members)):
                 sl = (ys[lo:hi], xs[lo:hi])
-                jobs.append(functools.partial(eliminate, g, lo, hi, *sl))
+                jobs.append(functools.partial(eliminate, g, rows, offset, flat, *sl))
                 where.append((gi, lo, hi, sl))
         self._leaf_pieces: list[list[_Piece]] = [[] for _ in self.plan.leaves]
         parts: list[list[torch.Tensor]] = [[] for _ in self.plan.leaves]
@@ -275,7 +281,7 @@ class SSIFactor:
             self._leaf_pieces[gi].append(_Piece(self.plan.leaves[gi], lo, hi, block, sl))
             parts[gi].append(schur)
             ratio = torch.minimum(ratio, r.amin(1))
-        return [torch.cat(p, dim=1) if len(p) > 1 else p[0] for p in parts], ratio
+        return [_join(p) for p in parts], ratio
 
     def _factor_merges(self, s: torch.Tensor, level: list[torch.Tensor], ratio: torch.Tensor,
                        workers: BlockWorkers) -> None:
@@ -302,7 +308,7 @@ class SSIFactor:
                 ratio = torch.minimum(ratio, r.amin(1))
                 parts[mg.out_group].append(schur)  # merges are listed in output order, pieces in lo order
                 pieces.append(_Piece(mg, lo, hi, block, index))
-            level = [torch.cat(p, dim=1) if len(p) > 1 else p[0] for p in parts]
+            level = [_join(p) for p in parts]
             self._steps.append(pieces)
             sizes = max(mg.size - mg.kept for mg in step.merges)
             self.profile.append((f"schur {k + 1} ({step.axis}, separator <= {sizes})", time.perf_counter() - t0))
@@ -372,7 +378,7 @@ class SSIFactor:
         level, saved_leaf = [], []
         for pieces in self._leaf_pieces:
             ups = workers.map([functools.partial(leaf_up, p) for p in pieces])
-            level.append(torch.cat([kept for kept, _ in ups], dim=1) if len(ups) > 1 else ups[0][0])
+            level.append(_join([kept for kept, _ in ups]))
             saved_leaf.append([keep for _, keep in ups])
         saved_steps = []
         for step, pieces in zip(self.plan.steps, self._steps):
@@ -380,7 +386,7 @@ class SSIFactor:
             ups = workers.map([functools.partial(merge_up, p, level) for p in pieces])
             for p, (kept, _) in zip(pieces, ups):
                 parts[p.group.out_group].append(kept)
-            level = [torch.cat(q, dim=1) if len(q) > 1 else q[0] for q in parts]
+            level = [_join(q) for q in parts]
             saved_steps.append([keep for _, keep in ups])
         # The root keeps nothing; walk back down.
         u = [b.new_zeros(bsz, len(g.members), len(g.kept), channels)
