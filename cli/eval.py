@@ -43,8 +43,8 @@ def eval_command(
     table.add_row("perplexity", f"{result['perplexity']:.4f}")
     table.add_row("tokens", f"{result['tokens']:,} ({result['sequences']} x {result['seq_len']})")
     table.add_row("tokens/s", f"{result['tokens_per_s']:,.0f}")
-    if "kl" in result:
-        table.add_row("KL(reference || model)", f"{result['kl']:.5f}")
+    if "kl_div" in result:
+        table.add_row("KL(reference || model)", f"{result['kl_div']:.5f}")
         table.add_row("top-1 agreement", f"{result['top1_agreement']:.4f}")
         table.add_row("reference perplexity", f"{result['reference_perplexity']:.4f}")
     console.print(table)

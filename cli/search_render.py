@@ -40,7 +40,7 @@ def render_search(result: dict, console: Console, quiet: bool = False) -> None:
             summary.add_row("held-out perplexity", f"{evaluation['perplexity']:.3f} child vs "
                                                    f"{evaluation['parent_perplexity']:.3f} parent "
                                                    f"({evaluation['tokens']} tokens)")
-            summary.add_row("KL / top-1 agreement", f"{evaluation['kl']:.4f} / {evaluation['top1_agreement']:.3f}")
+            summary.add_row("KL / top-1 agreement", f"{evaluation['kl_div']:.4f} / {evaluation['top1_agreement']:.3f}")
         for alt in result.get("alternatives", []):
             summary.add_row("alternative", f"{result['metric']} {_num(alt['objective'])}, differs in "
                                            f"{alt['distance_from_best']} layers")

@@ -68,7 +68,7 @@ def test_eval_against_itself_has_zero_kl_and_full_agreement(tiny_llama_dir, text
     loaded = load_model(str(tiny_llama_dir))
     blocks = pack(tokenize(loaded.tokenizer, read_texts(text_file), max_tokens=256), 64)
     result = evaluate(loaded.model, blocks, reference=loaded.model)
-    assert result.kl == pytest.approx(0.0, abs=1e-6)
+    assert result.kl_div == pytest.approx(0.0, abs=1e-6)
     assert result.top1_agreement == 1.0
 
 
@@ -81,8 +81,8 @@ def test_cli_eval_json_with_reference(tiny_llama_dir, text_file, tmp_path):
                                  "--max-tokens", "256", "--seq-len", "64", "--json"])
     assert result.exit_code == 0, result.output
     payload = json.loads(result.stdout)
-    assert {"perplexity", "tokens", "tokens_per_s", "kl", "top1_agreement"} <= payload.keys()
-    assert payload["tokens"] == 4 * 63 and payload["kl"] > 0
+    assert {"perplexity", "tokens", "tokens_per_s", "kl_div", "top1_agreement"} <= payload.keys()
+    assert payload["tokens"] == 4 * 63 and payload["kl_div"] > 0
 
 
 def test_cli_eval_bad_inputs_fail_cleanly(tiny_llama_dir, tmp_path):

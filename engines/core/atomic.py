@@ -1,15 +1,42 @@
-"""Atomic writes: outputs appear whole or not at all."""
+"""Atomic writes: every output file and directory appears whole or not at all.
+
+This is the only module that creates temporary siblings and renames them into place.
+Temporary names start with `.<name>.tmp-`, so a later run on the same output can find
+and remove what a killed run left behind (`remove_stale_temporaries`).
+"""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from mlxkit.engines.errors import InputError
+
+TEMP_MARK = ".tmp-"
+
+
+def _temp_prefix(path: Path) -> str:
+    return f".{path.name}{TEMP_MARK}"
+
+
+def remove_stale_temporaries(path: str | os.PathLike) -> list[Path]:
+    """Delete temporaries of `path` left by a killed run (same parent, `.<name>.tmp-*`)."""
+    path = Path(path)
+    removed = []
+    if path.parent.is_dir():
+        for stale in path.parent.glob(_temp_prefix(path) + "*"):
+            if stale.is_dir() and not stale.is_symlink():
+                shutil.rmtree(stale, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    stale.unlink()
+            removed.append(stale)
+    return removed
 
 
 @contextlib.contextmanager
@@ -26,7 +53,8 @@ def atomic_output_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterat
     if out.exists() and not out.is_dir():
         raise InputError(f"output '{out}' exists and is not a directory")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    remove_stale_temporaries(out)
+    tmp = Path(tempfile.mkdtemp(prefix=_temp_prefix(out), dir=out.parent))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the output is an ordinary directory
     try:
         yield tmp
@@ -34,7 +62,7 @@ def atomic_output_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterat
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if out.exists():
-        trash = out.with_name(f".{out.name}.old-{os.getpid()}")
+        trash = out.with_name(f"{_temp_prefix(out)}old-{os.getpid()}")
         os.replace(out, trash)
         os.replace(tmp, out)
         shutil.rmtree(trash, ignore_errors=True)
@@ -42,16 +70,54 @@ def atomic_output_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterat
         os.replace(tmp, out)
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write a text file through a temporary sibling and an atomic rename."""
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary sibling path to write; it is renamed to `path` when the block succeeds.
+
+    For writers that take a file name (safetensors' `save_file`, `torch.save`, `np.savez`).
+    The temporary keeps `path`'s suffix, because some writers append one when it is missing.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    fd, tmp_name = tempfile.mkstemp(prefix=_temp_prefix(path), suffix=path.suffix, dir=path.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
     try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
+        yield tmp
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; the output is an ordinary file
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+            tmp.unlink()
         raise
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write a binary file through a temporary sibling and an atomic rename."""
+    with atomic_file(path) as tmp:
+        tmp.write_bytes(data)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write a text file through a temporary sibling and an atomic rename."""
+    with atomic_file(path) as tmp:
+        tmp.write_text(text)
+
+
+def atomic_write_json(path: str | os.PathLike, data: Any, indent: int | None = 1) -> None:
+    """Write strict JSON (NaN and infinity are refused, not written as non-standard tokens)."""
+    atomic_write_text(path, json.dumps(data, indent=indent, allow_nan=False, default=_jsonable) + "\n")
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, Path):
+        return str(value)
+    if hasattr(value, "model_dump"):
+        return value.model_dump(mode="json")
+    if hasattr(value, "__dataclass_fields__"):
+        from dataclasses import asdict
+
+        return asdict(value)
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return str(value)

@@ -1,15 +1,18 @@
-"""Perplexity of a causal LM on token blocks, and its agreement with a reference model."""
+"""Perplexity of a causal LM on token blocks, and its agreement with a reference model.
+
+The metrics themselves (and which positions they cover) are defined once in `metrics.py`.
+"""
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.nn.functional as F
 
 from mlxkit.engines.core.progress import Reporter
+from mlxkit.engines.errors import InputError
+from mlxkit.engines.eval.metrics import TokenMetrics
 
 TOKENS_PER_BATCH = 4096  # bounds the [batch, seq, vocab] logits held at once
 
@@ -23,7 +26,7 @@ class EvalResult:
     seconds: float
     sequences: int
     seq_len: int
-    kl: float | None = None
+    kl_div: float | None = None
     top1_agreement: float | None = None
 
     def to_dict(self) -> dict:
@@ -31,43 +34,36 @@ class EvalResult:
 
 
 def _logits(model, ids: torch.Tensor) -> torch.Tensor:
-    return model(input_ids=ids, use_cache=False).logits.float()
+    return model(input_ids=ids, use_cache=False).logits
 
 
 @torch.inference_mode()
 def evaluate(model, blocks: torch.Tensor, reference=None, reporter: Reporter | None = None) -> EvalResult:
-    """Mean next-token NLL over every predicted position of `blocks` ([n, seq_len]).
+    """NLL, perplexity and (with a `reference`) KL(reference || model) and top-1 agreement on `blocks` [n, seq_len].
 
-    With a `reference`, also KL(reference || model) of the next-token distributions and
-    the fraction of positions where both models' top-1 tokens agree. tokens/s counts the
-    evaluated model's forward passes only.
+    Raises `InputError` when the model's outputs are not finite (NaN weights, overflow):
+    a perplexity of NaN is not a result. tokens/s counts the evaluated model's forward passes only.
     """
     reporter = reporter or Reporter()
     n, seq_len = blocks.shape
     batch = max(1, TOKENS_PER_BATCH // seq_len)
-    nll_sum = kl_sum = 0.0
-    agree = scored = 0
+    metrics = TokenMetrics()
     model_seconds = 0.0
     batches = range(0, n, batch)
     with reporter.task("evaluating", total=len(batches)) as task:
         for first in batches:
             ids = blocks[first:first + batch]
             start = time.perf_counter()
-            logp = F.log_softmax(_logits(model, ids)[:, :-1], dim=-1)
+            logits = _logits(model, ids)
             model_seconds += time.perf_counter() - start
-            targets = ids[:, 1:]
-            nll_sum += -logp.gather(-1, targets.unsqueeze(-1)).sum().item()
-            scored += targets.numel()
-            if reference is not None:
-                ref_logp = F.log_softmax(_logits(reference, ids)[:, :-1], dim=-1)
-                kl_sum += (ref_logp.exp() * (ref_logp - logp)).sum().item()
-                agree += (ref_logp.argmax(-1) == logp.argmax(-1)).sum().item()
+            reference_logits = _logits(reference, ids) if reference is not None else None
+            metrics.update(logits, ids, reference_logits)
             task.advance()
-            task.update(ppl=math.exp(nll_sum / scored))
-    nll = nll_sum / scored
+            task.update(ppl=metrics.perplexity)
+    if not all(v == v and abs(v) != float("inf") for v in (metrics.nll, metrics.kl_div or 0.0)):
+        raise InputError("the model's outputs are not finite on this data (NaN or infinite weights?)")
     return EvalResult(
-        perplexity=math.exp(nll), nll=nll, tokens=scored, tokens_per_s=blocks.numel() / max(model_seconds, 1e-9),
-        seconds=model_seconds, sequences=n, seq_len=seq_len,
-        kl=kl_sum / scored if reference is not None else None,
-        top1_agreement=agree / scored if reference is not None else None,
+        perplexity=metrics.perplexity, nll=metrics.nll, tokens=metrics.positions,
+        tokens_per_s=blocks.numel() / max(model_seconds, 1e-9), seconds=model_seconds, sequences=n, seq_len=seq_len,
+        kl_div=metrics.kl_div, top1_agreement=metrics.top1_agreement,
     )

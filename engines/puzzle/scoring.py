@@ -2,8 +2,8 @@
 
 Scoring streams from the cached residual-stream state at the swapped layer, so only the
 layers from there on run. Metrics use the public NVlabs/puzzle names where they exist:
-`kl_div` (KL(parent || child), mean over held-out tokens) and `lm_loss`; we add
-`top1_agreement`.
+`kl_div` (KL(parent || child)) and `lm_loss` (the child's NLL), plus `top1_agreement`, all as
+defined in `mlxkit.engines.eval.metrics` (mean over the held-out positions that have a next token).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mlxkit.engines.eval.metrics import kl_from_log_probs
 from mlxkit.engines.puzzle.subblocks import Subblock
 
 
@@ -22,13 +23,11 @@ class ParentTail:
         self.pos = pos
         self.targets = val_ids[:, 1:]
         self.parent_logp = self._log_probs(final_state)
-        # Parent-side terms of KL(p || q) = sum p log p - sum p log q, computed once for every variant.
-        self.parent_p = self.parent_logp.exp()
-        self.parent_plogp = (self.parent_p * self.parent_logp).sum(-1)
         self.parent_top1 = self.parent_logp.argmax(-1)
 
     def _log_probs(self, state: torch.Tensor) -> torch.Tensor:
-        return F.log_softmax(self.model.lm_head(self.model.model.norm(state)).float(), dim=-1)
+        """Next-token log-probabilities at the positions that have a target (all but the last)."""
+        return F.log_softmax(self.model.lm_head(self.model.model.norm(state[:, :-1])).float(), dim=-1)
 
     def run_from(self, state: torch.Tensor, first_layer: int) -> torch.Tensor:
         for layer in self.model.model.layers[first_layer:]:
@@ -36,10 +35,10 @@ class ParentTail:
         return self._log_probs(state)
 
     def metrics(self, child_logp: torch.Tensor) -> dict[str, float]:
-        kl = (self.parent_plogp - (self.parent_p * child_logp).sum(-1)).mean()
-        lm_loss = -child_logp[:, :-1].gather(-1, self.targets.unsqueeze(-1)).mean()
+        kl = kl_from_log_probs(self.parent_logp, child_logp).mean()
+        lm_loss = -child_logp.gather(-1, self.targets.unsqueeze(-1)).mean()
         agree = (child_logp.argmax(-1) == self.parent_top1).float().mean()
-        return {"kl_div": max(kl.item(), 0.0), "lm_loss": lm_loss.item(), "top1_agreement": agree.item()}
+        return {"kl_div": kl.item(), "lm_loss": lm_loss.item(), "top1_agreement": agree.item()}
 
 
 @torch.inference_mode()

@@ -226,7 +226,7 @@ def _build_child(options: SearchOptions, library_path: Path, library: dict[str, 
             child_eval = evaluate(child, val, reference=parent)
             parent_eval = evaluate(parent, val)
         evaluation = {"perplexity": child_eval.perplexity, "parent_perplexity": parent_eval.perplexity,
-                      "kl": child_eval.kl, "top1_agreement": child_eval.top1_agreement, "tokens": child_eval.tokens}
+                      "kl_div": child_eval.kl_div, "top1_agreement": child_eval.top1_agreement, "tokens": child_eval.tokens}
 
     manifest = Manifest(verb="search", started=started)
     manifest.add_input("parent", parent_spec, loaded.source.path)

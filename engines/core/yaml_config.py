@@ -1,0 +1,52 @@
+"""Load YAML written by users into pydantic models, reporting every problem at once.
+
+Recipes, hardware profiles and merge configs all come through here: a safe loader (no
+arbitrary Python objects), a mapping at the top level, and one error that lists each
+invalid key by its dotted path.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from mlxkit.engines.errors import InputError
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+
+
+def validation_problems(exc: ValidationError) -> str:
+    """`a.b: msg; c: msg` for every error pydantic found."""
+    problems = []
+    for error in exc.errors():
+        where = ".".join(str(p) for p in error["loc"]) or "(top level)"
+        problems.append(f"{where}: {error['msg'].removeprefix('Value error, ')}")
+    return "; ".join(problems)
+
+
+def read_yaml_mapping(text: str, origin: str, error: type[InputError] = InputError) -> dict[str, Any]:
+    """Parse `text` with the safe loader; the top level must be a mapping (empty text is `{}`)."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise error(f"{origin} is not valid YAML: {' '.join(str(exc).split())}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise error(f"{origin} must be a mapping of keys to values at the top level")
+    return data
+
+
+def validate_model(model: type[ModelT], data: Any, origin: str, error: type[InputError] = InputError) -> ModelT:
+    """`model.model_validate(data)`, with every validation error in one typed error."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise error(f"{origin} is invalid: {validation_problems(exc)}") from None
+
+
+def load_yaml_model(model: type[ModelT], text: str, origin: str, error: type[InputError] = InputError) -> ModelT:
+    """Parse and validate YAML text into `model`."""
+    return validate_model(model, read_yaml_mapping(text, origin, error), origin, error)
