@@ -1,25 +1,34 @@
-"""Blockwise local distillation: build, train and score a Puzzle block library."""
+"""Distillation: the Puzzle block library (--bld), global distillation of a child (--gkd), or plain KD (--kd)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 from rich.table import Table
 
 from mlxkit.cli._errors import fail, guarded
-from mlxkit.cli._options import (AllowPickleOpt, DataOpt, JsonOpt, QuietOpt, RecipeOpt, SeedOpt, TextFieldOpt,
-                                 VerboseOpt, console, emit_json, make_reporter)
+from mlxkit.cli._options import (AllowPickleOpt, DataOpt, JsonOpt, OverwriteOpt, QuietOpt, RecipeOpt, SeedOpt,
+                                 TextFieldOpt, VerboseOpt, console, emit_json, make_reporter)
 
 
 @guarded
 def distill_command(
-    out: Annotated[Path, typer.Option("--out", "-o", help="Library directory (resumed if it holds an unfinished run).")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Library directory (--bld) or distilled model (--gkd/--kd); "
+                                      "an unfinished run there is resumed.")],
     bld: Annotated[bool, typer.Option("--bld", help="Blockwise local distillation of the block library.")] = False,
+    gkd: Annotated[bool, typer.Option("--gkd", help="Global distillation of an assembled child against its parent "
+                                      "(cosine on every layer's hidden states + logit KL).")] = False,
+    kd: Annotated[bool, typer.Option("--kd", help="Plain KD: forward KL at a temperature mixed with cross-entropy.")] = False,
+    teacher: Annotated[Optional[str], typer.Option("--teacher", help="Teacher (--gkd/--kd): the parent model.")] = None,
+    student: Annotated[Optional[str], typer.Option("--student", help="Student (--gkd/--kd): e.g. a searched child.")] = None,
+    tokens: Annotated[Optional[int], typer.Option("--tokens", help="Training tokens (--gkd/--kd; default: the recipe's).")] = None,
+    overrides: Annotated[list[str], typer.Option("--set", help="Override a recipe field, e.g. --set optim.lr=3e-4.")] = [],
+    overwrite: OverwriteOpt = False,
     model: Annotated[str, typer.Option("--model", "-m", help="Parent model.")] = "smollm2-135m",
     data: DataOpt = None,
-    recipe: RecipeOpt = "quick",
+    recipe: RecipeOpt = None,
     score_only: Annotated[bool, typer.Option("--score-only", help="Only (re)score an existing library.")] = False,
     no_score: Annotated[bool, typer.Option("--no-score", help="Build the blocks but do not score them.")] = False,
     init_only: Annotated[bool, typer.Option("--init-only", help="Initialise blocks without BLD training (ablation).")] = False,
@@ -33,8 +42,15 @@ def distill_command(
     from mlxkit.engines.puzzle.distill import DistillOptions, run_distill
     from mlxkit.engines.puzzle.recipe import load_recipe
 
-    if not bld:
-        raise fail("choose a distillation mode: --bld (blockwise local distillation)")
+    if bld + gkd + kd != 1:
+        raise fail("choose one distillation mode: --bld (block library), --gkd (global distillation) or --kd")
+    if gkd or kd:
+        from mlxkit.cli.distill_global import run_global_distillation
+
+        return run_global_distillation(mode="gkd" if gkd else "kd", teacher=teacher, student=student, out=out,
+                                       data=data, text_field=text_field, recipe=recipe, tokens=tokens,
+                                       overrides=overrides, seed=seed, overwrite=overwrite, allow_pickle=allow_pickle,
+                                       json_out=json_out, quiet=quiet, verbose=verbose)
     if score_only and (no_score or init_only):
         raise fail("--score-only cannot be combined with --no-score or --init-only")
     options = DistillOptions(model=model, out=out, recipe=load_recipe(recipe or "quick"), data=data,

@@ -46,3 +46,9 @@ class BackendError(MlxkitError, RuntimeError):
     """A required backend (solver, device, package) is missing or failed."""
 
     exit_code = 6
+
+
+class NonFiniteError(MlxkitError, ArithmeticError):
+    """A computed result (a loss, a merged tensor, a score) came out NaN or infinite."""
+
+    exit_code = 8

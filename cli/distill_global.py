@@ -1,0 +1,52 @@
+"""`mlx distill --gkd` / `--kd`: whole-model distillation of a student against a teacher."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from mlxkit.cli._errors import fail
+from mlxkit.cli._options import console, emit_json, make_reporter
+
+
+def parse_overrides(pairs: list[str]) -> dict[str, object]:
+    """`--set optim.lr=3e-4` → {"optim.lr": 0.0003}; values are read as YAML scalars."""
+    overrides: dict[str, object] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            raise fail(f"--set takes key=value (got '{pair}')")
+        try:
+            overrides[key.strip()] = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            raise fail(f"--set {key.strip()}: cannot read the value '{raw}'") from None
+    return overrides
+
+
+def run_global_distillation(*, mode: str, teacher: str | None, student: str | None, out: Path, data: Path | None,
+                            text_field: str, recipe: str | None, tokens: int | None, overrides: list[str],
+                            seed: int, overwrite: bool, allow_pickle: bool, json_out: bool, quiet: bool,
+                            verbose: bool) -> None:
+    from mlxkit.engines.distill.recipe import load_distill_recipe
+    from mlxkit.engines.distill.trainer import DistillationOptions, run_distillation
+
+    if teacher is None or student is None:
+        raise fail(f"--{mode} needs --teacher and --student")
+    if tokens is not None and tokens < 1:
+        raise fail(f"--tokens must be positive (got {tokens})")
+    loaded = load_distill_recipe(recipe or mode).with_overrides(parse_overrides(overrides))
+    options = DistillationOptions(mode=mode, teacher=teacher, student=student, out=out, recipe=loaded, data=data,  # type: ignore[arg-type]
+                                  text_field=text_field, tokens=tokens, seed=seed, overwrite=overwrite,
+                                  allow_pickle=allow_pickle)
+    summary = run_distillation(options, make_reporter(json_out, quiet, verbose))
+    if not summary:  # a non-zero rank of a distributed run: rank 0 reports
+        return
+    if json_out:
+        emit_json(summary)
+        return
+    before, after = summary["before"], summary["after"]
+    console.print(f"[green]{mode.upper()}[/green] {summary['out']}: {summary['tokens']} tokens in {summary['steps']} "
+                  f"steps; held-out KL {before['kl_div']:.4f} → {after['kl_div']:.4f}, top-1 agreement "
+                  f"{before['top1_agreement']:.3f} → {after['top1_agreement']:.3f}, perplexity "
+                  f"{before['perplexity']:.2f} → {after['perplexity']:.2f} ({summary['wall_time_s']} s)")

@@ -1,0 +1,72 @@
+"""Distillation losses, returned as sums over positions so the caller normalises once.
+
+Gradient accumulation and data parallelism split a global batch into pieces; each piece's
+loss is its sum over positions divided by the global batch's position count, so the
+accumulated (and all-reduced) gradient equals the gradient of the global mean.
+
+The logit terms never hold a whole batch's [positions, vocab] logits: positions are taken
+in chunks, and each chunk's loss runs under activation checkpointing, so the chunk's
+teacher and student logits are freed after its forward and recomputed in the backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from mlxkit.engines.eval.metrics import kl_from_log_probs
+
+LOGIT_CHUNK = 512  # positions per chunk: [512, 49152] float32 is 100 MB per tensor
+
+
+def cosine_distance_sum(student_hidden: Sequence[torch.Tensor], teacher_hidden: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Σ over layers and positions of 1 − cos(h_student, h_teacher); tensors [B, T, H], one pair per layer."""
+    total = student_hidden[0].new_zeros(())
+    for h_s, h_t in zip(student_hidden, teacher_hidden, strict=True):
+        total = total + (1.0 - F.cosine_similarity(h_s.float(), h_t.float(), dim=-1)).sum()
+    return total
+
+
+@dataclass
+class LogitTermSums:
+    kl: torch.Tensor   # Σ_positions T² · KL(teacher_T || student_T)
+    nll: torch.Tensor  # Σ_positions −log p_student(next token)
+
+
+def _chunk_sums(student_h: torch.Tensor, teacher_h: torch.Tensor, targets: torch.Tensor,
+                student_head: torch.nn.Module, teacher_head: torch.nn.Module, temperature: float,
+                with_kl: bool, with_nll: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = student_head(student_h).float()
+    kl = nll = logits.new_zeros(())
+    if with_kl:
+        with torch.no_grad():
+            teacher_logp = F.log_softmax(teacher_head(teacher_h).float() / temperature, dim=-1)
+        kl = kl_from_log_probs(teacher_logp, F.log_softmax(logits / temperature, dim=-1)).sum() * temperature ** 2
+    if with_nll:
+        nll = F.cross_entropy(logits, targets, reduction="sum")
+    return kl, nll
+
+
+def logit_term_sums(student_final: torch.Tensor, teacher_final: torch.Tensor, input_ids: torch.Tensor,
+                    student_head: torch.nn.Module, teacher_head: torch.nn.Module, *, temperature: float = 1.0,
+                    with_kl: bool = True, with_nll: bool = False, chunk: int = LOGIT_CHUNK) -> LogitTermSums:
+    """KL and NLL sums over the positions that predict a next token (all but the last of each sequence).
+
+    `student_final` / `teacher_final` are the final normalised hidden states [B, T, H]; the heads
+    map them to logits. The teacher side runs without gradients.
+    """
+    hidden = student_final.shape[-1]
+    s = student_final[:, :-1].reshape(-1, hidden)
+    t = teacher_final[:, :-1].reshape(-1, teacher_final.shape[-1]).detach()
+    targets = input_ids[:, 1:].reshape(-1)
+    kl_total = nll_total = s.new_zeros(())
+    for lo in range(0, s.shape[0], chunk):
+        hi = lo + chunk
+        kl, nll = checkpoint(_chunk_sums, s[lo:hi], t[lo:hi], targets[lo:hi], student_head, teacher_head,
+                             temperature, with_kl, with_nll, use_reentrant=False)
+        kl_total, nll_total = kl_total + kl, nll_total + nll
+    return LogitTermSums(kl_total, nll_total)

@@ -1,0 +1,96 @@
+"""Distillation recipes (`recipes/distill/*.yaml`): loss weights, data, optimiser, schedule."""
+
+from __future__ import annotations
+
+import os
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from mlxkit.engines.core.yaml_config import load_yaml_model, read_yaml_mapping, validate_model
+from mlxkit.engines.errors import RecipeError
+
+RECIPE_PACKAGE = "mlxkit.recipes.distill"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class LossSpec(_Strict):
+    cosine_weight: float = Field(1.0, ge=0, allow_inf_nan=False)
+    kl_weight: float = Field(1.0, ge=0, allow_inf_nan=False)
+    lm_weight: float = Field(0.0, ge=0, allow_inf_nan=False)
+    temperature: float = Field(1.0, gt=0, le=100, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _some_term(self) -> "LossSpec":
+        if self.cosine_weight == self.kl_weight == self.lm_weight == 0:
+            raise ValueError("at least one of cosine_weight, kl_weight, lm_weight must be positive")
+        return self
+
+
+class DataSpec(_Strict):
+    seq_len: int = Field(512, ge=2, le=1 << 20)
+    held_out_sequences: int = Field(4, ge=1)
+
+
+class OptimSpec(_Strict):
+    lr: float = Field(1e-4, gt=0, le=1, allow_inf_nan=False)
+    min_lr_factor: float = Field(0.1, ge=0, le=1)
+    warmup_fraction: float = Field(0.05, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False)
+    grad_clip: float = Field(1.0, ge=0, allow_inf_nan=False)
+    batch_sequences: int = Field(4, ge=1)
+    micro_batch_sequences: int = Field(2, ge=1)
+
+
+class ScheduleSpec(_Strict):
+    tokens: int = Field(65536, ge=1)
+    eval_every: int = Field(8, ge=1)
+    checkpoint_every: int = Field(4, ge=1)
+
+
+class DistillRecipe(_Strict):
+    name: str = "custom"
+    description: str = ""
+    loss: LossSpec = LossSpec()
+    data: DataSpec = DataSpec()
+    optim: OptimSpec = OptimSpec()
+    schedule: ScheduleSpec = ScheduleSpec()
+
+    def with_overrides(self, overrides: dict[str, Any]) -> "DistillRecipe":
+        """A copy with dotted keys replaced (`optim.lr=3e-4`), validated again."""
+        data = self.model_dump()
+        for dotted, value in overrides.items():
+            node = data
+            *parents, leaf = dotted.split(".")
+            for key in parents:
+                if not isinstance(node.get(key), dict):
+                    raise RecipeError(f"unknown recipe key '{dotted}'")
+                node = node[key]
+            if leaf not in node:
+                raise RecipeError(f"unknown recipe key '{dotted}'")
+            node[leaf] = value
+        return validate_model(DistillRecipe, data, "recipe with overrides", RecipeError)
+
+
+def available_recipes() -> list[str]:
+    return sorted(p.name[:-5] for p in resources.files(RECIPE_PACKAGE).iterdir() if p.name.endswith(".yaml"))
+
+
+def load_distill_recipe(name_or_path: str | os.PathLike) -> DistillRecipe:
+    """A packaged recipe by name (`gkd`, `kd`) or a YAML file by path."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise RecipeError(f"recipe file '{path}' does not exist")
+        return load_yaml_model(DistillRecipe, path.read_text(), f"recipe {path}", RecipeError)
+    resource = resources.files(RECIPE_PACKAGE) / f"{name_or_path}.yaml"
+    if not resource.is_file():
+        raise RecipeError(f"unknown distillation recipe '{name_or_path}' (available: "
+                          f"{', '.join(available_recipes())}, or a path to a YAML file)")
+    return validate_model(DistillRecipe, read_yaml_mapping(resource.read_text(), f"recipe {name_or_path}", RecipeError),
+                          f"recipe {name_or_path} (packaged)", RecipeError)

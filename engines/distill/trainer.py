@@ -1,0 +1,398 @@
+"""`mlx distill --gkd` and `--kd`: train a student against a frozen teacher, resumably.
+
+One loop serves both modes; the recipe's loss weights are the difference:
+
+* GKD (global distillation of a Puzzle child): cosine distance between the teacher's and
+  the student's hidden states after every layer, plus KL(teacher || student) on the
+  logits, and no LM loss. The student must have the teacher's layer count and width.
+* KD: any student with the teacher's tokenizer; T²·KL at temperature T mixed with
+  cross-entropy on the data.
+
+Each optimiser step takes a global batch of `batch_sequences` sequences, split over the
+processes of a torchrun / accelerate launch (rank r takes sequences r, r+W, ...) and then
+into micro-batches. Every piece's loss is its sum over positions divided by the global
+batch's position count and gradients are summed over ranks, so W processes compute the
+gradient one process computes for the same global batch.
+
+Work in progress lives beside the output, in `.<out>.distill-work/`: the run key, the
+token blocks, the latest checkpoint and the log. A rerun of the same command resumes from
+the checkpoint; the finished student is saved atomically to `out` with the log and a
+manifest, and the work directory is removed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from mlxkit.engines.core.atomic import atomic_file, atomic_write_json
+from mlxkit.engines.core.distributed import Distributed
+from mlxkit.engines.core.manifest import Manifest, content_hash
+from mlxkit.engines.core.progress import Reporter
+from mlxkit.engines.core.seeds import seeded_generator
+from mlxkit.engines.distill.checkpoint import TrainingState, load_checkpoint, save_checkpoint
+from mlxkit.engines.distill.losses import cosine_distance_sum, logit_term_sums
+from mlxkit.engines.distill.recipe import DistillRecipe
+from mlxkit.engines.errors import InputError, NonFiniteError
+
+Mode = Literal["gkd", "kd"]
+LOG_NAME = "distill_log.jsonl"
+# Without --data, training text is sampled from the teacher; sampling is slow on a CPU, so
+# at most this many sequences are sampled and the steps cycle over them.
+MAX_SAMPLED_SEQUENCES = 32
+
+
+@dataclass(frozen=True)
+class DistillationOptions:
+    mode: Mode
+    teacher: str
+    student: str
+    out: Path
+    recipe: DistillRecipe
+    data: Path | None = None
+    text_field: str = "text"
+    tokens: int | None = None
+    seed: int = 0
+    overwrite: bool = False
+    allow_pickle: bool = False
+    stop_after_steps: int | None = None  # leave a resumable checkpoint and stop (tests, time-boxed runs)
+    manifest_extra: dict[str, Any] = field(default_factory=dict)
+
+
+def work_dir_for(out: Path) -> Path:
+    out = Path(out).expanduser().resolve()
+    return out.parent / f".{out.name}.distill-work"
+
+
+def learning_rate(step: int, total_steps: int, recipe: DistillRecipe) -> float:
+    """Linear warm-up, then cosine decay to `min_lr_factor` of the peak."""
+    spec = recipe.optim
+    warmup = int(round(spec.warmup_fraction * total_steps))
+    if step < warmup:
+        return spec.lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total_steps - warmup)
+    return spec.lr * (spec.min_lr_factor + (1 - spec.min_lr_factor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def batch_indices(step: int, batch: int, n_sequences: int, seed: int) -> list[int]:
+    """The training sequences of a step: a seeded permutation per pass over the data."""
+    indices = []
+    for position in range(step * batch, (step + 1) * batch):
+        epoch, offset = divmod(position, n_sequences)
+        order = torch.randperm(n_sequences, generator=seeded_generator(seed, "distill-epoch", epoch))
+        indices.append(int(order[offset]))
+    return indices
+
+
+class DistillationRun:
+    """Setup, train, save: one readable recipe over the shared building blocks."""
+
+    def __init__(self, options: DistillationOptions, reporter: Reporter | None = None):
+        self.options = options
+        self.recipe = options.recipe
+        self.reporter = reporter or Reporter()
+        self.dist = Distributed.from_env()
+        self.out = Path(options.out).expanduser().resolve()
+        self.work = work_dir_for(self.out)
+        self.started = time.time()
+
+    # ------------------------------------------------------------------ setup
+    def setup(self) -> None:
+        from mlxkit.engines.models.loading import load_model
+
+        if self.out.exists() and not self.options.overwrite:
+            raise InputError(f"output '{self.out}' already exists (pass --overwrite to replace it)")
+        spec = self.recipe.optim
+        if spec.batch_sequences % self.dist.world_size:
+            raise InputError(f"the global batch ({spec.batch_sequences} sequences) must divide evenly over "
+                             f"{self.dist.world_size} processes")
+        teacher = load_model(self.options.teacher, allow_pickle=self.options.allow_pickle, reporter=self.reporter)
+        student = load_model(self.options.student, allow_pickle=self.options.allow_pickle, reporter=self.reporter)
+        self._check_pair(teacher, student)
+        self.teacher, self.student, self.tokenizer = teacher.model, student.model, student.tokenizer
+        self.teacher_source, self.student_source = teacher.source, student.source
+        self.generation_config = student.model.generation_config
+        for model in (self.teacher, self.student):
+            model.config._attn_implementation = "sdpa"
+        self.teacher.eval().requires_grad_(False)
+        self.student.train()
+        self.seq_len = spec_seq_len = self.recipe.data.seq_len
+        positions = getattr(self.student.config, "max_position_embeddings", None)
+        if positions and spec_seq_len > positions:
+            raise InputError(f"data.seq_len {spec_seq_len} exceeds the student's {positions} positions")
+        tokens = self.options.tokens or self.recipe.schedule.tokens
+        self.steps = max(1, math.ceil(tokens / (spec.batch_sequences * self.seq_len)))
+        self.optimizer = torch.optim.AdamW([p for p in self.student.parameters() if p.requires_grad], lr=spec.lr,
+                                           weight_decay=spec.weight_decay, betas=(0.9, 0.95))
+        self._check_or_write_run_key()
+        self.train_ids, self.val_ids = self._token_blocks()
+        self.state = TrainingState(0, 0, 0, {})
+        resumed = load_checkpoint(self.work / "checkpoint", self.student, self.optimizer)
+        if resumed is not None:
+            self.state = resumed
+            self.reporter.notice(f"resuming {self.options.mode.upper()} at step {resumed.step} of {self.steps} "
+                                 f"from {self.work / 'checkpoint'}")
+
+    def _check_pair(self, teacher, student) -> None:
+        t, s = teacher.model.config, student.model.config
+        if t.vocab_size != s.vocab_size or (teacher.tokenizer is not None and student.tokenizer is not None
+                                            and teacher.tokenizer.get_vocab() != student.tokenizer.get_vocab()):
+            raise InputError(f"teacher '{self.options.teacher}' and student '{self.options.student}' have different "
+                             f"vocabularies ({t.vocab_size} vs {s.vocab_size} tokens, or different token ids); "
+                             "distillation needs a shared tokenizer")
+        if self.recipe.loss.cosine_weight > 0:
+            if t.hidden_size != s.hidden_size:
+                raise InputError(f"the cosine hidden-state loss needs equal widths: teacher hidden size "
+                                 f"{t.hidden_size}, student {s.hidden_size} (use --kd, or set loss.cosine_weight=0)")
+            if t.num_hidden_layers != s.num_hidden_layers:
+                raise InputError(f"the cosine hidden-state loss pairs layers: teacher has {t.num_hidden_layers}, "
+                                 f"student {s.num_hidden_layers} (use --kd, or set loss.cosine_weight=0)")
+
+    def _run_key(self) -> dict[str, Any]:
+        data: Any = "sampled from the teacher"
+        if self.options.data is not None:
+            data = {"spec": str(self.options.data), "hash": content_hash(self.options.data)}
+        return {"mode": self.options.mode, "teacher": _source_key(self.teacher_source),
+                "student": _source_key(self.student_source), "data": data, "seed": self.options.seed,
+                "steps": self.steps, "world_batch": self.recipe.optim.batch_sequences,
+                "recipe": self.recipe.model_dump(exclude={"schedule", "name", "description"})}
+
+    def _check_or_write_run_key(self) -> None:
+        key_file = self.work / "run.json"
+        key = json.loads(json.dumps(self._run_key(), default=str))
+        if key_file.exists():
+            previous = json.loads(key_file.read_text())
+            changed = sorted(k for k in key if previous.get(k) != key[k])
+            if changed:
+                raise InputError(f"'{self.work}' holds an unfinished run with other settings ({', '.join(changed)}); "
+                                 "delete it to start over, or rerun with the same settings to resume")
+        elif self.dist.is_main:
+            self.work.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(key_file, key)
+        self.dist.barrier()
+
+    def _token_blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        path = self.work / "tokens.pt"
+        if self.dist.is_main and not path.exists():
+            held_out = self.recipe.data.held_out_sequences
+            needed = self.steps * self.recipe.optim.batch_sequences
+            if self.options.data is not None:
+                from mlxkit.engines.data.text import pack, read_texts, split, tokenize
+
+                ids = tokenize(self.tokenizer, read_texts(self.options.data, self.options.text_field),
+                               (needed + held_out) * self.seq_len)
+                blocks = pack(ids, self.seq_len)
+                if blocks.shape[0] <= held_out:
+                    raise InputError(f"--data gives {blocks.shape[0]} sequence(s) of {self.seq_len} tokens; need more "
+                                     f"than the {held_out} held out for evaluation")
+                train, val = split(blocks, held_out / blocks.shape[0], self.options.seed)
+                origin = str(self.options.data)
+            else:
+                from mlxkit.engines.data.sampled import sample_tokens
+
+                n_train = min(needed, MAX_SAMPLED_SEQUENCES)
+                blocks = sample_tokens(self.teacher, self.tokenizer, n_sequences=n_train + held_out,
+                                       seq_len=self.seq_len, seed=self.options.seed, reporter=self.reporter)
+                train, val = blocks[held_out:], blocks[:held_out]
+                origin = "text sampled from the teacher"
+            self.reporter.notice(f"{self.options.mode.upper()} data: {origin} ({train.shape[0]} training and "
+                                 f"{val.shape[0]} held-out sequences of {self.seq_len} tokens; {self.steps} steps of "
+                                 f"{self.recipe.optim.batch_sequences} sequences)")
+            with atomic_file(path) as tmp:
+                torch.save({"train": train, "val": val}, tmp)
+        self.dist.barrier()
+        tokens = torch.load(path, weights_only=True)
+        return tokens["train"], tokens["val"]
+
+    # ------------------------------------------------------------------ train
+    def train_step(self, step: int) -> dict[str, float]:
+        """One optimiser step on the global batch of `step`; returns the global-mean loss terms."""
+        spec, loss_spec = self.recipe.optim, self.recipe.loss
+        indices = batch_indices(step, spec.batch_sequences, self.train_ids.shape[0], self.options.seed)
+        mine = indices[self.dist.rank::self.dist.world_size]
+        predicted = spec.batch_sequences * (self.seq_len - 1)   # positions with a next token, whole global batch
+        positions = spec.batch_sequences * self.seq_len
+        n_layers = self.student.config.num_hidden_layers
+        for group in self.optimizer.param_groups:
+            group["lr"] = learning_rate(step, self.steps, self.recipe)
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = torch.zeros(3, dtype=torch.float64)  # cosine, kl, nll
+        for lo in range(0, len(mine), spec.micro_batch_sequences):
+            ids = self.train_ids[mine[lo:lo + spec.micro_batch_sequences]]
+            teacher_out = None
+            if loss_spec.cosine_weight > 0 or loss_spec.kl_weight > 0:  # an LM-loss-only run never needs the teacher
+                with torch.no_grad():
+                    teacher_out = self.teacher.base_model(input_ids=ids, use_cache=False,
+                                                          output_hidden_states=loss_spec.cosine_weight > 0)
+            student_out = self.student.base_model(input_ids=ids, output_hidden_states=loss_spec.cosine_weight > 0,
+                                             use_cache=False)
+            loss = student_out.last_hidden_state.new_zeros(())
+            if loss_spec.cosine_weight > 0:
+                cosine = cosine_distance_sum(student_out.hidden_states[1:], teacher_out.hidden_states[1:])
+                loss = loss + loss_spec.cosine_weight * cosine / (positions * n_layers)
+                sums[0] += cosine.item()
+            if loss_spec.kl_weight > 0 or loss_spec.lm_weight > 0:
+                student_final = student_out.last_hidden_state
+                teacher_final = student_final if teacher_out is None else teacher_out.last_hidden_state
+                terms = logit_term_sums(student_final, teacher_final, ids,
+                                        self.student.get_output_embeddings(), self.teacher.get_output_embeddings(),
+                                        temperature=loss_spec.temperature, with_kl=loss_spec.kl_weight > 0,
+                                        with_nll=loss_spec.lm_weight > 0)
+                loss = loss + (loss_spec.kl_weight * terms.kl + loss_spec.lm_weight * terms.nll) / predicted
+                sums[1] += terms.kl.item()
+                sums[2] += terms.nll.item()
+            loss.backward()
+        self._all_reduce_gradients(sums)
+        if spec.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.student.parameters(), spec.grad_clip)
+        self.optimizer.step()
+        cosine, kl, nll = (sums / torch.tensor([positions * n_layers, predicted, predicted])).tolist()
+        total = loss_spec.cosine_weight * cosine + loss_spec.kl_weight * kl + loss_spec.lm_weight * nll
+        if not math.isfinite(total):
+            raise NonFiniteError(f"the distillation loss became non-finite at step {step} (try a lower optim.lr)")
+        return {"loss": total, "cosine": cosine, "kl": kl, "nll": nll}
+
+    def _all_reduce_gradients(self, sums: torch.Tensor) -> None:
+        if self.dist.world_size == 1:
+            return
+        import torch.distributed as dist
+
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.student.parameters()
+                 if p.requires_grad]
+        flat = torch.cat([g.reshape(-1) for g in grads] + [sums.float()])
+        dist.all_reduce(flat)
+        offset = 0
+        for p, g in zip([p for p in self.student.parameters() if p.requires_grad], grads):
+            p.grad = flat[offset:offset + g.numel()].view_as(g).clone()
+            offset += g.numel()
+        sums.copy_(flat[offset:].double())
+
+    def evaluate(self) -> dict[str, float]:
+        from mlxkit.engines.eval.language_model import evaluate
+
+        self.student.eval()
+        result = evaluate(self.student, self.val_ids, reference=self.teacher)
+        self.student.train()
+        return {"kl_div": result.kl_div, "top1_agreement": result.top1_agreement, "perplexity": result.perplexity}
+
+    def train(self) -> dict[str, Any] | None:
+        """Run the remaining steps; returns the summary, or None when stopped early or on a non-main rank."""
+        log = self.work / LOG_NAME
+        if self.dist.is_main:
+            _truncate_log(log, self.state.log_lines)
+            if self.state.step == 0 and self.state.log_lines == 0:
+                self._log(log, {"step": 0, "tokens": 0, "eval": self.evaluate()})
+        self.dist.barrier()
+        tokens_per_step = self.recipe.optim.batch_sequences * self.seq_len
+        stop = self.steps if self.options.stop_after_steps is None else min(self.steps, self.options.stop_after_steps)
+        title = f"{self.options.mode.upper()}: {self.steps} steps of {tokens_per_step} tokens"
+        with self.reporter.task(title, total=self.steps) as task:
+            task.advance(self.state.step)
+            for step in range(self.state.step, stop):
+                started = time.perf_counter()
+                terms = self.train_step(step)
+                seconds = time.perf_counter() - started
+                self.state.step, self.state.tokens_seen = step + 1, self.state.tokens_seen + tokens_per_step
+                record: dict[str, Any] = {"step": step + 1, "tokens": self.state.tokens_seen,
+                                          "lr": self.optimizer.param_groups[0]["lr"], **terms,
+                                          "tokens_per_s": tokens_per_step / seconds}
+                last = step + 1 == self.steps
+                if self.dist.is_main and ((step + 1) % self.recipe.schedule.eval_every == 0 or last):
+                    record["eval"] = self.evaluate()
+                if self.dist.is_main:
+                    self._log(log, record)
+                if (step + 1) % self.recipe.schedule.checkpoint_every == 0 or step + 1 == stop:
+                    if self.dist.is_main and not last:
+                        save_checkpoint(self.work / "checkpoint", self.student, self.optimizer, self.state)
+                    self.dist.barrier()
+                task.advance()
+                task.update(loss=terms["loss"], tok_s=round(record["tokens_per_s"], 1))
+        if self.state.step < self.steps or not self.dist.is_main:
+            return None  # every rank meets the others again in cleanup()
+        return self._summary(log)
+
+    def _log(self, log: Path, record: dict[str, Any]) -> None:
+        with open(log, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+        self.state.log_lines += 1
+
+    def _summary(self, log: Path) -> dict[str, Any]:
+        records = [json.loads(line) for line in log.read_text().splitlines()]
+        evals = [r for r in records if "eval" in r]
+        speeds = [r["tokens_per_s"] for r in records if "tokens_per_s" in r]
+        return {"mode": self.options.mode, "steps": self.steps, "tokens": self.state.tokens_seen,
+                "seq_len": self.seq_len, "batch_sequences": self.recipe.optim.batch_sequences,
+                "world_size": self.dist.world_size, "before": evals[0]["eval"], "after": evals[-1]["eval"],
+                "final_loss": records[-1].get("loss"),
+                "median_tokens_per_s": sorted(speeds)[len(speeds) // 2] if speeds else None}
+
+    # ------------------------------------------------------------------ save
+    def save(self, summary: dict[str, Any]) -> Path:
+        from mlxkit.engines.models.saving import save_model
+
+        manifest = Manifest(verb="distill", started=self.started)
+        manifest.add_input("teacher", self.options.teacher, self.teacher_source.path)
+        manifest.add_input("student", self.options.student, self.student_source.path)
+        if self.options.data is not None:
+            manifest.add_input("data", str(self.options.data), self.options.data)
+        manifest.seeds = {"seed": self.options.seed}
+        manifest.settings = {"mode": self.options.mode, "recipe": self.recipe.model_dump(), "steps": self.steps,
+                             **self.options.manifest_extra}
+        manifest.results = {**summary, "log": LOG_NAME}
+        self.student.eval()
+        self.student.generation_config = self.generation_config
+        log = self.work / LOG_NAME
+
+        # save_model writes to a temporary directory; the log travels inside it.
+        out = save_model(self.student, self.tokenizer, self.out, _ManifestWithLog(manifest, log),
+                         overwrite=self.options.overwrite)
+        shutil.rmtree(self.work, ignore_errors=True)
+        return out
+
+    def cleanup(self) -> None:
+        self.dist.close()
+
+
+class _ManifestWithLog:
+    """Writes the manifest and copies the training log into the output directory."""
+
+    def __init__(self, manifest: Manifest, log: Path):
+        self.manifest, self.log = manifest, log
+
+    def write(self, directory: Path) -> Path:
+        shutil.copyfile(self.log, Path(directory) / LOG_NAME)
+        return self.manifest.write(directory)
+
+
+def _source_key(source) -> dict[str, Any]:
+    path = getattr(source, "path", None)
+    return {"spec": source.spec, "hash": content_hash(path) if path is not None and Path(path).exists() else None}
+
+
+def _truncate_log(log: Path, lines: int) -> None:
+    """Drop log records written after the checkpoint we resume from, so a resumed log equals an uninterrupted one."""
+    if not log.exists():
+        return
+    kept = log.read_text().splitlines()[:lines]
+    log.write_text("".join(line + "\n" for line in kept))
+
+
+def run_distillation(options: DistillationOptions, reporter: Reporter | None = None) -> dict[str, Any]:
+    """Train (or resume) and save; returns the summary ({} on non-main ranks or when stopped early)."""
+    run = DistillationRun(options, reporter)
+    try:
+        run.setup()
+        summary = run.train()
+        if summary is None:
+            return {}
+        out = run.save(summary)
+        return {**summary, "out": str(out), "wall_time_s": round(time.time() - run.started, 1)}
+    finally:
+        run.cleanup()

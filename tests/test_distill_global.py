@@ -1,0 +1,213 @@
+"""Global distillation (GKD) and plain KD: the losses, resume, accumulation, data parallelism, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from conftest import REPO, make_char_tokenizer, make_tiny_llama
+from mlxkit.cli.main import app
+from mlxkit.engines.distill.losses import cosine_distance_sum, logit_term_sums
+from mlxkit.engines.distill.recipe import load_distill_recipe
+from mlxkit.engines.distill.trainer import DistillationOptions, batch_indices, run_distillation, work_dir_for
+from mlxkit.engines.errors import InputError, RecipeError
+
+runner = CliRunner()
+TINY = {"data.seq_len": 32, "data.held_out_sequences": 2, "optim.batch_sequences": 4,
+        "optim.micro_batch_sequences": 2, "optim.lr": 1e-2, "optim.warmup_fraction": 0.0,
+        "schedule.eval_every": 3, "schedule.checkpoint_every": 2}
+STEPS = 6
+
+
+def _save(model, path: Path) -> Path:
+    model.save_pretrained(path)
+    make_char_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def pair(tmp_path):
+    """A tiny teacher and a student of the same shape with other weights."""
+    return _save(make_tiny_llama(seed=0), tmp_path / "teacher"), _save(make_tiny_llama(seed=1), tmp_path / "student")
+
+
+def _options(pair, text_file, out, mode="gkd", **overrides):
+    recipe = load_distill_recipe(mode).with_overrides({**TINY, **overrides.pop("recipe", {})})
+    return DistillationOptions(mode=mode, teacher=str(pair[0]), student=str(pair[1]), out=out, recipe=recipe,
+                               data=text_file, tokens=STEPS * 4 * 32, **overrides)
+
+
+def _weights(out: Path) -> dict[str, torch.Tensor]:
+    return {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+# ----------------------------------------------------------------------------- losses against direct formulas
+
+def test_chunked_logit_terms_match_a_direct_computation_in_value_and_gradient():
+    torch.manual_seed(0)
+    batch, seq, hidden, vocab, temperature = 2, 7, 8, 11, 2.0
+    head_s, head_t = torch.nn.Linear(hidden, vocab, bias=False), torch.nn.Linear(hidden, vocab, bias=False)
+    h_s = torch.randn(batch, seq, hidden, requires_grad=True)
+    h_t = torch.randn(batch, seq, hidden)
+    ids = torch.randint(0, vocab, (batch, seq))
+
+    sums = logit_term_sums(h_s, h_t, ids, head_s, head_t, temperature=temperature, with_kl=True, with_nll=True,
+                           chunk=3)
+    (sums.kl + sums.nll).backward()
+    grad_chunked, head_grad_chunked = h_s.grad.clone(), head_s.weight.grad.clone()
+    h_s.grad, head_s.weight.grad = None, None
+
+    # direct: every position but the last, full logits at once
+    s_logits, t_logits = head_s(h_s)[:, :-1], head_t(h_t)[:, :-1]
+    p = F.softmax(t_logits / temperature, -1)
+    kl = (p * (p.log() - F.log_softmax(s_logits / temperature, -1))).sum() * temperature ** 2
+    nll = F.cross_entropy(s_logits.reshape(-1, vocab), ids[:, 1:].reshape(-1), reduction="sum")
+    (kl + nll).backward()
+    assert sums.kl.item() == pytest.approx(kl.item(), rel=1e-5)
+    assert sums.nll.item() == pytest.approx(nll.item(), rel=1e-5)
+    torch.testing.assert_close(grad_chunked, h_s.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(head_grad_chunked, head_s.weight.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_cosine_distance_sum_matches_numpy():
+    rng = np.random.default_rng(3)
+    a = [rng.normal(size=(2, 5, 4)) for _ in range(3)]
+    b = [rng.normal(size=(2, 5, 4)) for _ in range(3)]
+    expected = sum((1 - (x * y).sum(-1) / np.linalg.norm(x, axis=-1) / np.linalg.norm(y, axis=-1)).sum()
+                   for x, y in zip(a, b))
+    got = cosine_distance_sum([torch.tensor(x) for x in a], [torch.tensor(y) for y in b])
+    assert got.item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_batch_indices_cover_each_pass_once_and_depend_on_the_seed():
+    first_pass = [i for step in range(5) for i in batch_indices(step, 4, 20, seed=7)]
+    assert sorted(first_pass) == list(range(20))
+    assert first_pass != [i for step in range(5) for i in batch_indices(step, 4, 20, seed=8)]
+
+
+# ----------------------------------------------------------------------------- the training job
+
+def test_gkd_lowers_held_out_kl_and_writes_a_loadable_child_with_its_log(pair, text_file, tmp_path):
+    out = tmp_path / "out"
+    summary = run_distillation(_options(pair, text_file, out))
+    assert summary["after"]["kl_div"] < 0.8 * summary["before"]["kl_div"]
+    log = [json.loads(line) for line in (out / "distill_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == list(range(STEPS + 1))
+    assert all("eval" in r for r in log if r["step"] in (0, 3, 6))
+    manifest = json.loads((out / "mlxkit.json").read_text())
+    assert manifest["results"]["steps"] == STEPS and manifest["inputs"]["teacher"]["hash"].startswith("sha256:")
+    assert not work_dir_for(out).exists()
+
+    # independent check: the saved child, loaded by transformers, against the teacher on the held-out text
+    from transformers import AutoModelForCausalLM
+
+    from mlxkit.engines.data.text import pack, read_texts, split, tokenize
+    from mlxkit.engines.eval.language_model import evaluate
+
+    child = AutoModelForCausalLM.from_pretrained(out).eval()
+    teacher = AutoModelForCausalLM.from_pretrained(pair[0]).eval()
+    ids = tokenize(make_char_tokenizer(), read_texts(text_file), (STEPS * 4 + 2) * 32)
+    _, val = split(pack(ids, 32), 2 / (ids.numel() // 32), 0)
+    assert evaluate(child, val, reference=teacher).kl_div == pytest.approx(summary["after"]["kl_div"], rel=1e-4)
+
+
+def test_resumed_run_equals_an_uninterrupted_one(pair, text_file, tmp_path):
+    straight = tmp_path / "straight"
+    run_distillation(_options(pair, text_file, straight))
+    resumed = tmp_path / "resumed"
+    assert run_distillation(_options(pair, text_file, resumed, stop_after_steps=3)) == {}
+    assert (work_dir_for(resumed) / "checkpoint").exists() and not resumed.exists()
+    run_distillation(_options(pair, text_file, resumed))
+    a, b = _weights(straight), _weights(resumed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    def losses(path):
+        return [(r["step"], r.get("loss"), r.get("eval")) for r in map(json.loads, (path / "distill_log.jsonl")
+                                                                       .read_text().splitlines())]
+    assert losses(straight) == losses(resumed)
+
+
+def test_gradient_accumulation_is_normalised_over_the_global_batch(pair, text_file, tmp_path):
+    one = run_distillation(_options(pair, text_file, tmp_path / "one", recipe={"optim.micro_batch_sequences": 4}))
+    four = run_distillation(_options(pair, text_file, tmp_path / "four", recipe={"optim.micro_batch_sequences": 1}))
+    assert four["final_loss"] == pytest.approx(one["final_loss"], rel=1e-4)
+    a, b = _weights(tmp_path / "one"), _weights(tmp_path / "four")
+    assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+
+
+def test_a_run_with_other_settings_does_not_resume_silently(pair, text_file, tmp_path):
+    out = tmp_path / "out"
+    run_distillation(_options(pair, text_file, out, stop_after_steps=2))
+    with pytest.raises(InputError, match="other settings"):
+        run_distillation(_options(pair, text_file, out, recipe={"optim.lr": 1e-3}))
+
+
+@pytest.mark.distributed
+def test_two_processes_match_one_with_the_same_global_batch(pair, text_file, tmp_path):
+    single = tmp_path / "single"
+    run_distillation(_options(pair, text_file, single))
+    double = tmp_path / "double"
+    env = {**os.environ, "MLXKIT_BACKEND": "gloo", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
+               "-m", "mlxkit", "distill", "--gkd", "--teacher", str(pair[0]), "--student", str(pair[1]),
+               "--data", str(text_file), "--tokens", str(STEPS * 4 * 32), "--out", str(double), "--quiet",
+               *[f"--set={k}={v}" for k, v in TINY.items()]]
+    done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    a, b = _weights(single), _weights(double)
+    assert all(torch.allclose(a[k], b[k], atol=2e-5) for k in a)
+    assert json.loads((double / "mlxkit.json").read_text())["results"]["world_size"] == 2
+
+
+# ----------------------------------------------------------------------------- errors before any work
+
+def test_kd_refuses_a_student_with_another_vocabulary(pair, text_file, tmp_path):
+    other = _save(make_tiny_llama(seed=2, vocab_size=100), tmp_path / "other")
+    with pytest.raises(InputError, match="different vocabularies"):
+        run_distillation(_options((pair[0], other), text_file, tmp_path / "out", mode="kd"))
+    assert not work_dir_for(tmp_path / "out").exists()
+
+
+def test_gkd_names_a_width_mismatch_as_such(pair, text_file, tmp_path):
+    wide = _save(make_tiny_llama(seed=2, hidden_size=48), tmp_path / "wide")
+    with pytest.raises(InputError, match="hidden size"):
+        run_distillation(_options((pair[0], wide), text_file, tmp_path / "out"))
+
+
+def test_kd_trains_a_narrower_student(pair, text_file, tmp_path):
+    narrow = _save(make_tiny_llama(seed=2, hidden_size=16, num_attention_heads=2, num_key_value_heads=1,
+                                   num_hidden_layers=1), tmp_path / "narrow")
+    summary = run_distillation(_options((pair[0], narrow), text_file, tmp_path / "out", mode="kd"))
+    assert summary["after"]["kl_div"] < summary["before"]["kl_div"]
+
+
+def test_unknown_recipe_keys_are_refused():
+    with pytest.raises(RecipeError, match="optim.learning_rate"):
+        load_distill_recipe("gkd").with_overrides({"optim.learning_rate": 1.0})
+    with pytest.raises(RecipeError, match="optim.lr"):
+        load_distill_recipe("gkd").with_overrides({"optim.lr": -1})
+
+
+def test_cli_gkd_end_to_end_and_clean_errors(pair, text_file, tmp_path):
+    out = tmp_path / "cli-out"
+    args = ["distill", "--gkd", "--teacher", str(pair[0]), "--student", str(pair[1]), "--data", str(text_file),
+            "--tokens", str(2 * 4 * 32), "--out", str(out), "--json", *[f"--set={k}={v}" for k, v in TINY.items()]]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    assert payload["steps"] == 2 and Path(payload["out"]) == out.resolve()
+    again = runner.invoke(app, args)
+    assert again.exit_code != 0 and "already exists" in again.output and "Traceback" not in again.output
+    bad = runner.invoke(app, args[:-len(TINY)] + ["--set", "optim.nope=1"])
+    assert bad.exit_code != 0 and "optim.nope" in bad.output
+    assert not work_dir_for(tmp_path / "cli-out").exists()
