@@ -69,9 +69,10 @@ def csr_to_stencil(a: sp.spmatrix, height: int, width: int) -> np.ndarray:
     if not fits_grid(a, height, width):
         raise InputError(f"matrix is not a 9-point matrix on a {height}x{width} grid")
     coo = sp.coo_matrix(a)
-    ry, rx, cy, cx = _coords(coo.row.astype(np.int64), coo.col.astype(np.int64), width)
+    nz = coo.data != 0  # stored zeros may sit anywhere (a DIA matrix's padding): fits_grid ignores them too
+    ry, rx, cy, cx = _coords(coo.row[nz].astype(np.int64), coo.col[nz].astype(np.int64), width)
     stencil = np.zeros((height, width, 3, 3), dtype=np.result_type(coo.data.dtype, np.float64))
-    np.add.at(stencil, (ry, rx, cy - ry + 1, cx - rx + 1), coo.data)
+    np.add.at(stencil, (ry, rx, cy - ry + 1, cx - rx + 1), coo.data[nz])
     return stencil
 
 

@@ -4,7 +4,8 @@ Accepted files
 --------------
 ``.npz`` in `scipy.sparse.save_npz` layout (csr, csc, coo, ...)
     Extra keys: ``b`` (right-hand side, ``[N]`` or ``[N, C]``) and ``grid_shape`` (``[H, W]``).
-    `scipy.sparse.load_npz` ignores extra keys, so they are read with `np.load`.
+    Every key is read with ``np.load(allow_pickle=False)`` and checked by `validate.sparse_parts`
+    before SciPy builds the matrix (SciPy's kernels trust indices and would crash on bad ones).
 ``.npz`` in stencil form (no ``format`` key)
     ``stencil``: ``[H, W, 3, 3]`` or ``[B, H, W, 3, 3]`` with ``stencil[..., y, x, 1 + dy, 1 + dx]`` the
     coefficient coupling node (y, x) to node (y + dy, x + dx); or, instead, up to nine named ``[H, W]``
@@ -27,6 +28,7 @@ import scipy.io
 import scipy.sparse as sp
 
 from mlxkit.engines.errors import InputError
+from mlxkit.engines.solve.validate import as_csr, grid_shape, real_values, rhs_matrix, sparse_parts
 
 NAMED = {"nw": (0, 0), "n": (0, 1), "ne": (0, 2), "w": (1, 0), "c": (1, 1), "e": (1, 2), "sw": (2, 0), "s": (2, 1),
          "se": (2, 2)}
@@ -49,18 +51,20 @@ class Problem:
         return self.b.shape[0]
 
 
-def _finite(name: str, values: np.ndarray) -> None:
-    if not np.issubdtype(values.dtype, np.number) or np.issubdtype(values.dtype, np.complexfloating):
-        raise InputError(f"{name} must be real numbers, got dtype {values.dtype}")
-    if not np.all(np.isfinite(values)):
-        raise InputError(f"{name} contains NaN or Inf")
-
-
 def _open_npz(path: Path) -> dict[str, np.ndarray]:
+    # np.load falls back to unpickling for anything that is neither .npy nor zip, so its error for a
+    # text file talks about pickled data; the zip check first gives the real reason.
+    if not zipfile.is_zipfile(path):
+        raise InputError(f"{path}: not a readable .npz file: not a zip archive (an .npz is a zip of .npy arrays)")
     try:
         with np.load(path, allow_pickle=False) as npz:
             return {key: npz[key] for key in npz.files}
-    except (zipfile.BadZipFile, ValueError, OSError, EOFError, KeyError) as exc:
+    except ValueError as exc:
+        if "allow_pickle" in str(exc):  # an object array inside the archive
+            raise InputError(f"{path}: holds object (pickled) arrays, which are refused; store plain numeric "
+                             f"arrays") from None
+        raise InputError(f"{path}: not a readable .npz file (ValueError: {exc})") from None
+    except (zipfile.BadZipFile, OSError, EOFError, KeyError, NotImplementedError) as exc:
         raise InputError(f"{path}: not a readable .npz file ({exc.__class__.__name__}: {exc})") from None
 
 
@@ -80,6 +84,9 @@ def read_rhs(path: str | os.PathLike) -> np.ndarray:
     suffix = path.suffix.lower()
     try:
         if suffix == ".npy":
+            with open(path, "rb") as handle:
+                if handle.read(6) != b"\x93NUMPY":  # else np.load would try to unpickle it
+                    raise InputError(f"{path}: not a .npy file (no NumPy header)")
             values = np.load(path, allow_pickle=False)
         elif suffix == ".npz":
             arrays = _open_npz(path)
@@ -97,39 +104,13 @@ def read_rhs(path: str | os.PathLike) -> np.ndarray:
         raise
     except Exception as exc:  # each reader has its own exception zoo; all mean "unreadable"
         raise InputError(f"{path}: cannot read right-hand side ({exc.__class__.__name__}: {exc})") from None
-    values = np.asarray(values)
-    _finite("right-hand side", values)
-    return values.astype(np.float64)
+    return real_values("right-hand side", values, str(path))
 
 
-def _sparse_rhs(b: np.ndarray, n: int) -> tuple[np.ndarray, tuple[int, ...]]:
-    b = np.asarray(b, dtype=np.float64)
-    if b.ndim == 2 and b.shape[0] == 1 and b.shape[1] == n and n != 1:
-        b = b[0]  # a row vector is a common way to store one right-hand side
-    if b.ndim not in (1, 2) or b.shape[0] != n:
-        raise InputError(f"right-hand side has shape {list(b.shape)} but the matrix has {n} rows "
-                         f"(expected [{n}] or [{n}, C])")
-    if b.ndim == 2 and b.shape[1] == 0:
-        raise InputError("right-hand side has no columns")
-    return b.reshape(1, n, -1), b.shape
-
-
-def _square(a: sp.spmatrix, source: str) -> sp.csr_matrix:
-    if a.ndim != 2 or a.shape[0] != a.shape[1]:
-        raise InputError(f"{source}: matrix must be square, has shape {list(a.shape)}")
-    if a.shape[0] == 0:
-        raise InputError(f"{source}: matrix is empty (0x0)")
-    a = sp.csr_matrix(a)
-    _finite("matrix", a.data)
-    a.sum_duplicates()
-    return a.astype(np.float64)
-
-
-def _grid_key(value: np.ndarray, n: int) -> tuple[int, int]:
-    value = np.asarray(value).ravel()
-    if value.size != 2 or not np.issubdtype(value.dtype, np.integer) or value.min() < 1 or value.prod() != n:
-        raise InputError(f"grid_shape must be two positive integers H, W with H*W = {n}, got {value.tolist()}")
-    return int(value[0]), int(value[1])
+def _sparse_rhs(b, n: int, source: str) -> tuple[np.ndarray, tuple[int, ...]]:
+    """`b` ([N], [N, C] or a [1, N] row) as [1, N, C], and the shape to return x in."""
+    flat, shape = rhs_matrix(b, n, source, row_vector=True)
+    return flat[None], shape
 
 
 def _stencil_problem(arrays: dict[str, np.ndarray], source: str, rhs: np.ndarray | None) -> Problem:
@@ -139,7 +120,7 @@ def _stencil_problem(arrays: dict[str, np.ndarray], source: str, rhs: np.ndarray
             raise InputError(f"{source}: 'stencil' must have shape [H, W, 3, 3] or [B, H, W, 3, 3], "
                              f"got {list(stencil.shape)}")
     else:
-        named = {k: np.asarray(v) for k, v in arrays.items() if k in NAMED}
+        named = {k: real_values(f"stencil array '{k}'", v, source) for k, v in arrays.items() if k in NAMED}
         shapes = {v.shape for v in named.values()}
         if len(shapes) != 1 or len(next(iter(shapes))) not in (2, 3):
             raise InputError(f"{source}: stencil arrays {sorted(named)} must all have one shape [H, W] or [B, H, W]")
@@ -147,17 +128,16 @@ def _stencil_problem(arrays: dict[str, np.ndarray], source: str, rhs: np.ndarray
         stencil = np.zeros(shape + (3, 3))
         for key, value in named.items():
             stencil[..., NAMED[key][0], NAMED[key][1]] = value
-    _finite("stencil", stencil)
+    stencil = real_values("stencil", stencil, source)
     batched = stencil.ndim == 5
-    stencil = stencil.astype(np.float64) if batched else stencil[None].astype(np.float64)
+    stencil = stencil if batched else stencil[None]
     bsz, height, width = stencil.shape[:3]
     if height * width == 0:
         raise InputError(f"{source}: stencil grid is empty ({height}x{width})")
     b = rhs if rhs is not None else arrays.get("b")
     if b is None:
         raise InputError(f"{source}: no right-hand side (store it under 'b' or pass --rhs)")
-    b = np.asarray(b, dtype=np.float64)
-    _finite("right-hand side", b)
+    b = real_values("right-hand side", b, source)
     lead = (bsz,) if batched else ()
     if b.shape[:len(lead) + 2] != lead + (height, width) or b.ndim not in (len(lead) + 2, len(lead) + 3):
         want = "[B, H, W] or [B, H, W, C]" if batched else "[H, W] or [H, W, C]"
@@ -183,26 +163,24 @@ def read_problem(path: str | os.PathLike, rhs: str | os.PathLike | None = None) 
         if not _SPARSE_KEYS <= set(arrays):
             raise InputError(f"{source}: neither a scipy save_npz matrix (keys format, shape, ...) nor a stencil "
                              f"(key 'stencil'); found keys {sorted(arrays)}")
-        try:
-            a = sp.load_npz(path)
-        except Exception as exc:
-            raise InputError(f"{source}: corrupt sparse matrix ({exc.__class__.__name__}: {exc})") from None
-        a = _square(a, source)
+        # Every array is checked before scipy's compiled kernels see it (see `validate`); the matrix is
+        # built only once the right-hand side is known to fit, so a bad b costs no conversion.
+        parts = sparse_parts(arrays, source)
+        n = parts.shape[0]
         b = b_override if b_override is not None else arrays.get("b")
         if b is None:
             raise InputError(f"{source}: no right-hand side (store it under 'b' or pass --rhs)")
-        _finite("right-hand side", np.asarray(b))
-        flat, shape = _sparse_rhs(b, a.shape[0])
-        grid = _grid_key(arrays["grid_shape"], a.shape[0]) if "grid_shape" in arrays else None
-        return Problem(source=source, b=flat, rhs_shape=shape, matrix=a, grid=grid)
+        flat, shape = _sparse_rhs(b, n, source)
+        grid = grid_shape(arrays["grid_shape"], n, source) if "grid_shape" in arrays else None
+        return Problem(source=source, b=flat, rhs_shape=shape, matrix=parts.to_csr(), grid=grid)
     if suffix == ".mtx":
         try:
             a = scipy.io.mmread(path)
         except Exception as exc:
             raise InputError(f"{source}: not a readable Matrix Market file ({exc.__class__.__name__}: {exc})") from None
-        a = _square(sp.csr_matrix(a) if not sp.issparse(a) else a, source)
+        a = as_csr(a, source)
         if b_override is None:
             raise InputError(f"{source}: a .mtx file holds no right-hand side; pass --rhs FILE")
-        flat, shape = _sparse_rhs(b_override, a.shape[0])
+        flat, shape = _sparse_rhs(b_override, a.shape[0], source)
         return Problem(source=source, b=flat, rhs_shape=shape, matrix=a)
     raise InputError(f"{source}: unsupported format '{suffix or path.name}' (expected .npz or .mtx)")

@@ -7,8 +7,9 @@ still has more subdomains, until one subdomain covers the grid.
 A subdomain keeps only the nodes it shares with other subdomains (its *kept* set); everything else
 it owns alone is eliminated as soon as possible. Nodes on the outer border of the grid are therefore
 eliminated early, and the root keeps nothing: the last merge eliminates the final separator. This is
-the nested-dissection variant of the SSI recursion; the official code keeps the whole outer
-perimeter up to the root, which costs 2-4x more flops.
+the nested-dissection variant of the SSI recursion; the authors' code
+(github.com/wangyu9/Schwarz_Schur_Involution) keeps the whole outer perimeter up to the root, which
+costs 2-4x more flops.
 
 Subdomains with equal geometry (size and which sides lie on the grid border) form a *group* and are
 processed as one batch; a merge step has at most a few dozen groups whatever the grid size.

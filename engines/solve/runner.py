@@ -2,31 +2,22 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import tempfile
 import time
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import scipy.sparse as sp
-import torch
 
+from mlxkit.engines.core.atomic import atomic_file
 from mlxkit.engines.core.progress import Reporter
-from mlxkit.engines.errors import InputError, SingularMatrixError
-from mlxkit.engines.solve.fallback import SparseDirect
+from mlxkit.engines.errors import InputError
 from mlxkit.engines.solve.grid import csr_to_stencil, fits_grid, infer_grid, stencil_mask, stencil_to_csr
 from mlxkit.engines.solve.io import Problem, read_problem
+from mlxkit.engines.solve.matrix import (METHODS, RESIDUAL_LIMIT, relative_residuals, residual_error,
+                                         sparse_batch_solver, ssi_batch_solver)
 from mlxkit.engines.solve.nullspace import ConstantNullspace, check_constant_nullspace, pin_value
-from mlxkit.engines.solve.ssi import SSIFactor
-
-METHODS = ("auto", "ssi", "superlu", "pardiso")
-# Relative residual above which a solve is reported as singular/ill-conditioned instead of returned.
-RESIDUAL_LIMIT = {"float64": 1e-6, "float32": 1e-2}
-
-BatchSolve = Callable[[np.ndarray, bool], np.ndarray]
 
 
 def parse_grid(text: str | None) -> tuple[int, int] | None:
@@ -34,7 +25,9 @@ def parse_grid(text: str | None) -> tuple[int, int] | None:
     if text is None:
         return None
     parts = text.lower().replace("*", "x").split("x")
-    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts) or min(int(p) for p in parts) < 1:
+    # isascii: str.isdigit also accepts characters such as '²' that int() refuses
+    if len(parts) != 2 or not all(p.strip().isascii() and p.strip().isdigit() for p in parts) \
+            or min(int(p) for p in parts) < 1:
         raise InputError(f"--grid must look like HxW (e.g. 513x513), got '{text}'")
     return int(parts[0]), int(parts[1])
 
@@ -69,34 +62,6 @@ def _matrices(problem: Problem) -> list[sp.csr_matrix]:
     return [stencil_to_csr(s) for s in problem.stencil]
 
 
-def _relative_residuals(mats: list[sp.csr_matrix], x: np.ndarray, b: np.ndarray) -> list[float]:
-    out = []
-    for a, xi, bi in zip(mats, x, b):
-        norm = np.linalg.norm(bi)
-        out.append(float(np.linalg.norm(a @ xi - bi) / (norm if norm > 0 else 1.0)))
-    return out
-
-
-def _ssi_solver(stencil: np.ndarray, dtype: str, leaf: int) -> tuple[BatchSolve, SSIFactor]:
-    factor = SSIFactor(torch.from_numpy(stencil), dtype=getattr(torch, dtype), leaf=leaf)
-    shape = stencil.shape[:3]
-
-    def solve(b: np.ndarray, transpose: bool) -> np.ndarray:
-        x = factor.solve(torch.from_numpy(b.reshape(*shape, -1)), transpose=transpose)
-        return x.to(torch.float64).numpy().reshape(b.shape)
-
-    return solve, factor
-
-
-def _sparse_solver(mats: list[sp.csr_matrix], backend: str) -> tuple[BatchSolve, str]:
-    factors = [SparseDirect(a, backend) for a in mats]
-
-    def solve(b: np.ndarray, transpose: bool) -> np.ndarray:
-        return np.stack([f.solve(bi, transpose).reshape(bi.shape) for f, bi in zip(factors, b)])
-
-    return solve, factors[0].backend
-
-
 def _pin(problem: Problem, stencil: np.ndarray | None, notices: list[str]) -> tuple[Problem, np.ndarray | None, int]:
     """Check A 1 = 0 and add d to one diagonal entry; returns the pinned problem and the pinned node."""
     if stencil is not None:
@@ -116,22 +81,14 @@ def _pin(problem: Problem, stencil: np.ndarray | None, notices: list[str]) -> tu
 
 
 def _save(out: Path, x: np.ndarray, report: dict, overwrite: bool) -> None:
-    """Write the npz through a temporary sibling and a rename: it appears whole or not at all."""
+    """Write the npz atomically: it appears whole or not at all."""
     out = Path(out)
     if out.exists() and not overwrite:
         raise InputError(f"output '{out}' already exists (pass --overwrite to replace it)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            np.savez(handle, x=x, residual=np.float64(report["residual"]), method=np.str_(report["method"]),
-                     factor_s=np.float64(report["factor_s"]), solve_s=np.float64(report["solve_s"]),
-                     report=np.str_(json.dumps(report)))
-        os.replace(tmp, out)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    with atomic_file(out) as tmp:
+        np.savez(tmp, x=x, residual=np.float64(report["residual"]), method=np.str_(report["method"]),
+                 factor_s=np.float64(report["factor_s"]), solve_s=np.float64(report["solve_s"]),
+                 report=np.str_(json.dumps(report)))
 
 
 def run_solve(path: str | os.PathLike, *, rhs: str | os.PathLike | None = None, grid: str | None = None,
@@ -168,10 +125,10 @@ def run_solve(path: str | os.PathLike, *, rhs: str | os.PathLike | None = None, 
     t0 = time.perf_counter()
     ssi = None
     if stencil is not None:
-        solve, ssi = _ssi_solver(stencil, dtype, leaf)
+        solve, ssi = ssi_batch_solver(stencil, dtype, leaf)
         used = "ssi"
     else:
-        solve, used = _sparse_solver(_matrices(problem), "auto" if method == "auto" else method)
+        solve, used = sparse_batch_solver(_matrices(problem), "auto" if method == "auto" else method)
         late = [f"using the general sparse direct solver ({used})"] if method == "auto" else []
         late += [f"{used} always works in float64"] if dtype != "float64" else []
         for notice in late:
@@ -186,13 +143,12 @@ def run_solve(path: str | os.PathLike, *, rhs: str | os.PathLike | None = None, 
         x = solve(problem.b, False)
     solve_s = time.perf_counter() - t0
     mats = _matrices(original)
-    residuals = _relative_residuals(mats, x, original.b)
+    residuals = relative_residuals(mats, x, original.b)
     limit = RESIDUAL_LIMIT[dtype if used == "ssi" else "float64"]
-    checked = residuals if lam is None else _relative_residuals(mats, x, original.b - lam[:, None, :])
+    checked = residuals if lam is None else relative_residuals(mats, x, original.b - lam[:, None, :])
     if not max(checked) <= limit:
         hint = "" if nullspace == "constant" else "; for a pure-Neumann problem try --nullspace constant"
-        raise SingularMatrixError(f"solve failed the residual check: ||Ax-b||/||b|| = {max(checked):.2e} > "
-                                  f"{limit:.0e} (matrix singular or too ill-conditioned){hint}")
+        raise residual_error(max(checked), limit, hint)
     report = {
         "file": str(path), "method": used, "dtype": dtype if used == "ssi" else "float64",
         "unknowns": int(problem.b.shape[1]), "systems": int(problem.batch), "rhs_columns": int(problem.b.shape[2]),

@@ -1,6 +1,8 @@
 """The Schwarz–Schur involution (SSI) factorisation of 9-point grid systems.
 
-Method (Wang, Abulnaga, Balbastre, Fischl, ICML 2025; see shared/research/solver.md):
+Method (Y. Wang, S. M. Abulnaga, Y. Balbastre, B. Fischl, "Schwarz-Schur Involution: Lightspeed
+Differentiable Sparse Linear Solvers", ICML 2025, PMLR 267; the authors' code is
+github.com/wangyu9/Schwarz_Schur_Involution):
 
 1. Schwarz step: the matrix is split additively into dense per-patch matrices (couplings shared by
    neighbouring patches are divided between them), and every patch eliminates the nodes it owns
