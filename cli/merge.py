@@ -15,6 +15,8 @@ from rich.table import Table
 from mlxkit.cli._errors import guarded
 from mlxkit.cli._options import (JsonOpt, OverwriteOpt, QuietOpt, RecipeOpt, VerboseOpt, console, emit_json,
                                  make_reporter)
+from mlxkit.engines.core.sizes import SIZE_HELP
+from mlxkit.engines.merge.params import ALPHA
 
 Opt = typer.Option
 
@@ -27,13 +29,13 @@ def merge_command(
     method: Annotated[Optional[str], Opt("--method", help="iso-c|iso-cts|task-arithmetic|ties|dare-ties|dare-linear|linear|slerp")] = None,
     isotropic: Annotated[bool, Opt("--isotropic", help="Iso-CTS, the paper's best (same as --method iso-cts).")] = False,
     recipe: RecipeOpt = None,
-    alpha: Annotated[Optional[str], Opt("--alpha", help="Scale of the merged task vector: a number or 'auto'.")] = None,
+    alpha: Annotated[Optional[str], Opt("--alpha", help=f"Scale of the merged task vector: {ALPHA.valid_values()}, or 'auto'.")] = None,
     eval_data: Annotated[Optional[list[str]], Opt("--eval-data", help="Validation text per model (for --alpha auto), in model order.")] = None,
-    common_frac: Annotated[Optional[float], Opt("--common-frac", help="Iso-CTS common-subspace fraction (default 0.8).")] = None,
-    param: Annotated[Optional[list[str]], Opt("--param", help="Method parameter key=value (repeatable), e.g. density=0.3.")] = None,
+    common_frac: Annotated[Optional[str], Opt("--common-frac", help="Iso-CTS common-subspace fraction, a number in (0, 1] (default 0.8).")] = None,
+    param: Annotated[Optional[list[str]], Opt("--param", help="Method parameter key=value (repeatable), e.g. density=0.3; each is checked against its method's type and range.")] = None,
     average_embeddings: Annotated[Optional[bool], Opt("--average-embeddings/--matrix-embeddings", help="Average embeddings and LM head (default) or treat them as matrices.")] = None,
     dtype: Annotated[Optional[str], Opt("--dtype", help="Output dtype (default: the inputs').")] = None,
-    max_shard_size: Annotated[Optional[str], Opt("--max-shard-size", help="Largest output shard, e.g. 2GB (default 5GB).")] = None,
+    max_shard_size: Annotated[Optional[str], Opt("--max-shard-size", help=f"Largest output shard: {SIZE_HELP}; e.g. 2GB = 2,000,000,000 bytes, 2GiB = 2,147,483,648 (default 5GB).")] = None,
     device: Annotated[str, Opt("--device", help="Compute device: auto, cpu, cuda.")] = "auto",
     seed: Annotated[Optional[int], Opt("--seed", help="Seed for DARE and randomized SVDs.")] = None,
     dry_run: Annotated[bool, Opt("--dry-run", help="Print the per-tensor plan; read no weights.")] = False,
@@ -63,5 +65,6 @@ def merge_command(
         for key in ("output", "base", "alpha", "tensors", "shards", "wall_time_s"):
             table.add_row(key, str(result.get(key)))
         for point in result.get("alpha_curve", []):
-            table.add_row(f"α={point['alpha']:g}", f"mean loss {point['mean_loss']:.4f}")
+            loss = point["mean_loss"]
+            table.add_row(f"α={point['alpha']:g}", "loss not finite" if loss is None else f"mean loss {loss:.4f}")
         console.print(table)

@@ -8,16 +8,18 @@ import pytest
 import torch
 
 from mlxkit.engines.errors import InputError
-from mlxkit.engines.io import LazyTensorLoader, ShardedTensorIndex, TensorWriter, parse_size
+from mlxkit.engines.io import LazyTensorLoader, ShardedTensorIndex, TensorWriter
 
 
-def test_parse_size():
-    assert parse_size("2GB") == 2 * 10**9
-    assert parse_size("1GiB") == 2**30
-    assert parse_size("500M") == 500 * 10**6
-    assert parse_size(1234) == 1234
-    with pytest.raises(InputError):
-        parse_size("lots")
+def test_writer_reads_sizes_with_the_shared_rule(tmp_path):
+    # core.sizes.parse_bytes: bare number = bytes, KB/MB/GB decimal, KiB/MiB/GiB binary
+    assert TensorWriter(tmp_path / "a", "2GB").max_shard_bytes == 2 * 10**9
+    assert TensorWriter(tmp_path / "b", "1GiB").max_shard_bytes == 2**30
+    assert TensorWriter(tmp_path / "c", "500M").max_shard_bytes == 500 * 10**6
+    assert TensorWriter(tmp_path / "d", 1234).max_shard_bytes == 1234
+    assert TensorWriter(tmp_path / "e", "1234").max_shard_bytes == 1234
+    with pytest.raises(InputError, match="max shard size"):
+        TensorWriter(tmp_path / "f", "lots")
 
 
 def test_writer_shards_index_and_loader_roundtrip(tmp_path):

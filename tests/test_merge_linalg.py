@@ -14,7 +14,9 @@ def rel(a, b):
 
 
 def test_common_rank_table():
-    # worked sizes of the official formula (research brief §1.3)
+    # The official Iso-CTS split of r directions over T tasks: k0 = int(r * frac), then
+    # k = r - round((r - k0) / T) * T common directions and s = (r - k) / T per task, so that
+    # k + s*T = r exactly. E.g. r=768, T=8: k0 = 614, round(154 / 8) = 19, k = 768 - 152 = 616.
     assert common_rank(768, 8, 0.8) == (616, 19)
     assert common_rank(768, 14, 0.8) == (614, 11)
     assert common_rank(768, 20, 0.8) == (608, 8)

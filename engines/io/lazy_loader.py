@@ -9,21 +9,15 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 from mlxkit.engines.errors import InputError, ModelLoadError
+from mlxkit.engines.io.safetensors_header import read_safetensors_header
 
-INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-
-# safetensors header dtype codes -> torch dtype names
-_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-           "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-           "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 
 
 @dataclass(frozen=True)
@@ -45,28 +39,6 @@ class TensorInfo:
         return n
 
 
-def read_header(path: str | os.PathLike) -> dict[str, dict]:
-    """The JSON header of a safetensors file (8-byte little-endian length, then JSON).
-
-    Each entry gains `_base`, the absolute file offset where the data section starts.
-    """
-    with open(path, "rb") as handle:
-        raw = handle.read(8)
-        if len(raw) != 8:
-            raise ModelLoadError(f"'{path}' is not a safetensors file (too short)")
-        (length,) = struct.unpack("<Q", raw)
-        if length > 100 * 1024 * 1024:
-            raise ModelLoadError(f"'{path}' has an implausible safetensors header ({length} bytes)")
-        try:
-            header = json.loads(handle.read(length))
-        except json.JSONDecodeError as exc:
-            raise ModelLoadError(f"'{path}' has a corrupt safetensors header: {exc}") from exc
-    header.pop("__metadata__", None)
-    for entry in header.values():
-        entry["_base"] = 8 + length
-    return header
-
-
 @dataclass
 class ShardedTensorIndex:
     """Tensor name -> `TensorInfo` for one checkpoint directory (or a single .safetensors file)."""
@@ -83,11 +55,12 @@ class ShardedTensorIndex:
         path = Path(path)
         if path.is_file():
             directory, files = path.parent, [path.name]
+            weight_map: dict[str, str] | None = None
         else:
             directory = path
             index = path / (weights_name.replace(".safetensors", ".safetensors.index.json"))
-            if index.exists():
-                weight_map = json.loads(index.read_text()).get("weight_map", {})
+            weight_map = _read_weight_map(index) if index.exists() else None
+            if weight_map is not None:
                 files = sorted(set(weight_map.values()))
             elif (path / weights_name).exists():
                 files = [weights_name]
@@ -97,12 +70,18 @@ class ShardedTensorIndex:
                 raise ModelLoadError(f"'{path}' holds no safetensors weights")
         tensors: dict[str, TensorInfo] = {}
         for file in files:
-            if not (directory / file).exists():
+            if not (directory / file).is_file():
                 raise ModelLoadError(f"'{directory}' is missing shard '{file}' named in its index")
-            for name, entry in read_header(directory / file).items():
-                begin, stop = entry["data_offsets"]
-                tensors[name] = TensorInfo(name, tuple(entry["shape"]), _DTYPES.get(entry["dtype"], entry["dtype"]),
-                                           file, entry["_base"] + begin, entry["_base"] + stop)
+            for name, entry in read_safetensors_header(directory / file).tensors.items():
+                if name in tensors:
+                    raise InputError(f"tensor '{name}' is stored twice, in '{directory / tensors[name].file}' "
+                                     f"and '{directory / file}'")
+                tensors[name] = TensorInfo(name, entry.shape, entry.torch_dtype, file, entry.begin, entry.end)
+        if weight_map is not None:
+            # the index is what transformers trusts: a name it sends to a shard that lacks it fails there
+            for name, file in weight_map.items():
+                if tensors.get(name) is None or tensors[name].file != file:
+                    raise InputError(f"'{directory}' index places tensor '{name}' in '{file}', which does not hold it")
         return cls(directory, tensors)
 
     def __contains__(self, name: str) -> bool:
@@ -113,12 +92,6 @@ class ShardedTensorIndex:
 
     def __len__(self) -> int:
         return len(self.tensors)
-
-    def largest_bytes(self) -> int:
-        import torch
-
-        return max((t.numel * torch.empty((), dtype=getattr(torch, t.dtype)).element_size()
-                    for t in self.tensors.values()), default=0)
 
 
 class LazyTensorLoader:
@@ -196,3 +169,19 @@ class LazyTensorLoader:
             self._close_fd()
         except Exception:
             pass
+
+
+def _read_weight_map(index: Path) -> dict[str, str]:
+    """The `weight_map` of a sharded checkpoint's index: tensor name -> shard file name."""
+    try:
+        data = json.loads(index.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InputError(f"'{index}' is not valid JSON: {exc}") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str) and v
+                                                   for k, v in weight_map.items()):
+        raise InputError(f"'{index}' has no weight_map of tensor names to shard files")
+    if any(Path(v).name != v for v in weight_map.values()):
+        # a shard path with a directory part could point outside the checkpoint
+        raise InputError(f"'{index}' names shard files outside its own directory")
+    return weight_map

@@ -3,5 +3,6 @@
 Layout (mergekit's plan/executor split): `config.py` validates the recipe, `sources.py` resolves
 inputs (checkpoints, hub ids, LoRA adapters), `plan.py` lists one task per tensor from headers
 only, `executor.py` streams the tensors through a method from `methods/registry.py`, and
-`run.py` writes the result atomically. `linalg.py` holds the spectral kernels.
+`run.py` writes the result atomically. `params.py` types each method parameter (checked with the
+config, before any tensor is read) and `linalg.py` holds the spectral kernels.
 """

@@ -15,6 +15,7 @@ import torch
 
 from mlxkit.engines.core.progress import Reporter
 from mlxkit.engines.io.lazy_loader import LazyTensorLoader
+from mlxkit.engines.merge.executor import NonFiniteTensorError
 
 DEFAULT_GRID = [round(0.2 * i, 2) for i in range(1, 16)]  # 0.2 … 3.0
 
@@ -44,8 +45,13 @@ def sweep_alpha(base_dir: Path, delta_dir: Path, eval_files: list[str], *, grid:
                 params[n].copy_(original[n] + alpha * deltas.get_tensor(n).float())
         losses = [evaluate(model, b).nll for b in blocks]
         score = sum(losses) / len(losses)
-        curve.append({"alpha": alpha, "losses": [round(x, 5) for x in losses], "mean_loss": round(score, 5)})
-        reporter.notice(f"alpha {alpha:g}: mean loss {score:.4f} ({', '.join(f'{x:.3f}' for x in losses)})")
+        if not math.isfinite(score):
+            # the scaled weights overflowed: record the point (JSON has no NaN) and count it as no gain
+            curve.append({"alpha": alpha, "losses": [_rounded(x) for x in losses], "mean_loss": None})
+            reporter.notice(f"alpha {alpha:g}: the validation loss is not finite")
+        else:
+            curve.append({"alpha": alpha, "losses": [round(x, 5) for x in losses], "mean_loss": round(score, 5)})
+            reporter.notice(f"alpha {alpha:g}: mean loss {score:.4f} ({', '.join(f'{x:.3f}' for x in losses)})")
         if score < best_score - 1e-6:
             best, best_score, since_best = alpha, score, 0
         else:
@@ -53,4 +59,11 @@ def sweep_alpha(base_dir: Path, delta_dir: Path, eval_files: list[str], *, grid:
             if since_best >= patience:
                 break
     deltas.close()
-    return float(best if best is not None else curve[0]["alpha"]), curve
+    if best is None:
+        raise NonFiniteTensorError("every alpha of the sweep gave a non-finite validation loss; "
+                                   "pass a grid of smaller values (alpha_grid)")
+    return float(best), curve
+
+
+def _rounded(x: float) -> float | None:
+    return round(x, 5) if math.isfinite(x) else None

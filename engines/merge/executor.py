@@ -32,6 +32,20 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
+class NonFiniteTensorError(InputError):
+    """A merged tensor holds NaN or infinity. It is refused, never written: a checkpoint with one
+    non-finite weight produces NaN logits for every token."""
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """True when no entry is NaN or ±inf (non-float tensors always are)."""
+    if not tensor.is_floating_point():
+        return True
+    # One float32 sum is the fast test: a NaN or infinity anywhere makes it non-finite. A sum can also
+    # overflow on large finite entries, so only a non-finite sum pays for the exact element-wise test.
+    return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
+
+
 def combine(plan: MergePlan, method: MergeMethod, inputs: list[MergeInput], base: Optional[MergeInput],
             device: torch.device, reporter: Reporter
             ) -> Iterator[tuple[TensorTask, Optional[torch.Tensor], torch.Tensor]]:
@@ -50,19 +64,39 @@ def combine(plan: MergePlan, method: MergeMethod, inputs: list[MergeInput], base
         tensors = [t.to(device) for t in tensors]
         job = TensorJob(task.name, task.matrix, dict(task.params), [dict(p) for p in task.model_params], task.seed)
         result = method.merge(tensors, job).to("cpu", torch.float32)
+        if not all_finite(result):
+            raise _non_finite(task.name, method, inputs, tensors, base, base_t)
         del tensors
-        if not torch.isfinite(result.sum()):  # one reduction: NaN/inf anywhere makes the sum non-finite
-            raise BackendError(f"merging '{task.name}' with {method.name} produced NaN or infinite values")
         yield task, base_t, result
+
+
+def _non_finite(name: str, method: MergeMethod, inputs: list[MergeInput], tensors: list[torch.Tensor],
+                base: Optional[MergeInput], base_t: Optional[torch.Tensor]) -> NonFiniteTensorError:
+    """Name the culprit of a non-finite result; only runs on failure, so the inputs are checked for free."""
+    if base is not None and base_t is not None and not all_finite(base_t):
+        return NonFiniteTensorError(f"the base model '{base.spec}' has NaN or infinite values in '{name}'")
+    for inp, tensor in zip(inputs, tensors):
+        if not all_finite(tensor):
+            return NonFiniteTensorError(f"model '{inp.spec}' has NaN or infinite values in '{name}'")
+    return NonFiniteTensorError(f"merging '{name}' with {method.name} produced NaN or infinite values "
+                                "from finite inputs")
 
 
 def apply_alpha(task: TensorTask, base_t: Optional[torch.Tensor], result: torch.Tensor, alpha: float,
                 uses_deltas: bool) -> torch.Tensor:
-    """θ_base + α·M (task-vector methods) or the merged weight, in the task's output dtype."""
+    """θ_base + α·M (task-vector methods) or the merged weight, in the task's output dtype.
+
+    Raises `NonFiniteTensorError` when that overflows: α·M past float32's range, or a value past
+    the range of a narrow output dtype (float16 stops at 65504).
+    """
     if task.action == "copy":
         return result
     merged = base_t + alpha * result if (uses_deltas and base_t is not None) else result
-    return merged.to(getattr(torch, task.out_dtype))
+    merged = merged.to(getattr(torch, task.out_dtype))
+    if not all_finite(merged):
+        raise NonFiniteTensorError(f"'{task.name}' overflows to infinity in {task.out_dtype} at alpha {alpha:g}; "
+                                   "use a smaller alpha or a wider output dtype (--dtype float32)")
+    return merged
 
 
 def write_merged(plan: MergePlan, method: MergeMethod, inputs: list[MergeInput], base: Optional[MergeInput],

@@ -7,11 +7,11 @@ fails in seconds with the tensor and the models named, before any arithmetic sta
 from __future__ import annotations
 
 import re
-import zlib
 from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict
 
+from mlxkit.engines.core.seeds import derive_seed
 from mlxkit.engines.errors import InputError
 from mlxkit.engines.merge.config import MergeConfig, resolve_param
 from mlxkit.engines.merge.methods import registry
@@ -52,6 +52,7 @@ class MergePlan(BaseModel):
     models: list[str]
     tasks: list[TensorTask]
     largest_tensor_bytes: int
+    reference_config: Optional[dict[str, Any]] = None  # config.json of the base (else first model), parsed
 
     def summary(self) -> dict[str, Any]:
         return {"method": self.method, "alpha": self.alpha, "base": self.base, "models": self.models,
@@ -74,6 +75,7 @@ def plan_merge(config: MergeConfig, inputs: list[MergeInput], base: Optional[Mer
     reference = base if base is not None else inputs[0]
     if reference.kind == "lora":
         raise InputError(f"the base model '{reference.spec}' is a LoRA adapter; pass the full model it adapts")
+    reference_config = reference.read_config()  # written with the output: a malformed one fails now, not last
     ref_tensors = reference.tensors
     embed_re = re.compile(config.embedding_pattern)
     _check_compatible(reference, inputs, embed_re)
@@ -89,7 +91,7 @@ def plan_merge(config: MergeConfig, inputs: list[MergeInput], base: Optional[Mer
             if pdef.per_model:
                 continue
             value = resolve_param(config.parameters[key], name) if key in config.parameters else None
-            params[key] = pdef.default if value is None else value
+            params[key] = pdef.default if value is None else pdef.check(value)  # checked already: coerces
         model_params = []
         for entry in config.models:
             mp = {}
@@ -98,17 +100,18 @@ def plan_merge(config: MergeConfig, inputs: list[MergeInput], base: Optional[Mer
                     continue
                 raw = entry.parameters.get(key, config.parameters.get(key))
                 value = resolve_param(raw, name) if raw is not None else None
-                mp[key] = pdef.default if value is None else value
+                mp[key] = pdef.default if value is None else pdef.check(value)
             model_params.append(mp)
         embedding = bool(embed_re.search(name))
         matrix = len(info.shape) == 2 and not (embedding and config.average_embeddings)
-        seed = (config.seed * 2_147_483_647 + zlib.crc32(name.encode())) % (2**62)
+        # keyed by the tensor's name, not its position, so the order tensors are merged in does not matter
+        seed = derive_seed(config.seed, "merge", name)
         tasks.append(TensorTask(name=name, shape=info.shape, out_dtype=out_dtype,
                                 action="merge" if is_float else "copy", matrix=matrix, params=params,
                                 model_params=model_params, seed=seed))
     return MergePlan(method=method.name, uses_deltas=method.uses_deltas, alpha=config.alpha,
                      base=base.spec if base else None, models=[i.spec for i in inputs], tasks=tasks,
-                     largest_tensor_bytes=largest)
+                     largest_tensor_bytes=largest, reference_config=reference_config)
 
 
 def _check_compatible(reference: MergeInput, inputs: list[MergeInput], embed_re: re.Pattern) -> None:

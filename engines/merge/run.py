@@ -15,8 +15,9 @@ from typing import Any, Optional
 from mlxkit.engines.core.atomic import atomic_output_dir
 from mlxkit.engines.core.manifest import Manifest
 from mlxkit.engines.core.progress import Reporter
+from mlxkit.engines.core.sizes import parse_bytes
 from mlxkit.engines.errors import InputError
-from mlxkit.engines.io.tensor_writer import TensorWriter, parse_size
+from mlxkit.engines.io.tensor_writer import TensorWriter
 from mlxkit.engines.merge.config import MergeConfig
 from mlxkit.engines.merge.executor import combine, resolve_device, write_merged
 from mlxkit.engines.merge.methods import registry
@@ -47,13 +48,13 @@ def run_merge(config: MergeConfig, out: Optional[str | Path], *, overwrite: bool
     reporter = reporter or Reporter()
     started = time.perf_counter()
     method = registry.get(config.merge_method)
+    if not dry_run and out is None:
+        raise InputError("pass an output directory (-o OUT)")
     plan, inputs, base = prepare(config, reporter)
     if dry_run:
         return {"dry_run": True, **plan.summary(), "plan": [t.describe() for t in plan.tasks]}
-    if out is None:
-        raise InputError("pass an output directory (-o OUT)")
-    max_shard = parse_size(config.max_shard_size)
     dev = resolve_device(device)
+    max_shard = parse_bytes(config.max_shard_size, "max_shard_size")
     reporter.notice(f"{plan.method}: {len(inputs)} models, {len(plan.tasks)} tensors "
                     f"({sum(t.matrix for t in plan.tasks)} as matrices), device {dev}")
     manifest = Manifest(verb="merge")
@@ -98,7 +99,7 @@ def _auto_alpha(config: MergeConfig, plan: MergePlan, method, inputs, base, tmp:
     from mlxkit.engines.merge.executor import apply_alpha
 
     scratch = tmp / ".alpha-sweep"
-    deltas = TensorWriter(scratch / "delta", parse_size("1GB"))
+    deltas = TensorWriter(scratch / "delta", "1GB")
     for task, _, result in combine(plan, method, inputs, base, dev, reporter):
         if task.action == "merge":
             deltas.save(task.name, result)
@@ -108,7 +109,7 @@ def _auto_alpha(config: MergeConfig, plan: MergePlan, method, inputs, base, tmp:
                                seq_len=config.eval_seq_len, max_tokens=config.eval_tokens, seed=config.seed,
                                reporter=reporter)
     reporter.notice(f"alpha = {alpha:g} (lowest mean validation loss)")
-    writer = TensorWriter(tmp, parse_size(config.max_shard_size))
+    writer = TensorWriter(tmp, parse_bytes(config.max_shard_size, "max_shard_size"))
     with LazyTensorLoader.from_path(scratch / "delta") as stored:
         for task in reporter.track(plan.tasks, "writing"):
             if task.action == "copy":
@@ -122,11 +123,14 @@ def _auto_alpha(config: MergeConfig, plan: MergePlan, method, inputs, base, tmp:
 
 
 def _copy_side_files(source: MergeInput, tmp: Path, plan: MergePlan) -> None:
-    """config.json (dtype updated) and tokenizer files from the base, else the first model."""
+    """config.json (dtype updated) and tokenizer files from the base, else the first model.
+
+    The config is the one parsed while planning, so a malformed file has already failed the run
+    before any tensor was read.
+    """
     src = Path(source.path)
-    cfg_path = src / "config.json"
-    if cfg_path.exists():
-        cfg = json.loads(cfg_path.read_text())
+    if plan.reference_config is not None:
+        cfg = dict(plan.reference_config)
         dtypes = {t.out_dtype for t in plan.tasks if t.action == "merge"}
         if len(dtypes) == 1:
             dtype = dtypes.pop()

@@ -59,6 +59,19 @@ class MergeInput:
     def tensors(self) -> dict[str, TensorInfo]:
         return self.loader.index.tensors
 
+    def read_config(self) -> Optional[dict]:
+        """The parsed `config.json` of a full model (None when it has none); `InputError` if malformed."""
+        file = self.path / "config.json"
+        if self.kind != "model" or not file.is_file():
+            return None
+        try:
+            config = json.loads(file.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise InputError(f"'{file}' is not valid JSON: {exc}") from None
+        if not isinstance(config, dict):
+            raise InputError(f"'{file}' must hold a JSON object, not a {type(config).__name__}")
+        return config
+
     def targets(self) -> set[str]:
         """Weight names this input changes (all of them for a full model)."""
         return set(self.tensors) if self.kind == "model" else set(self.modules) | set(self.replaced)
@@ -155,8 +168,10 @@ def _readme_base_model(path: Path) -> Optional[str]:
 def _lora_input(spec: str, path: Path) -> MergeInput:
     try:
         cfg = json.loads((path / ADAPTER_CONFIG).read_text())
-    except json.JSONDecodeError as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InputError(f"'{path / ADAPTER_CONFIG}' is not valid JSON: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise InputError(f"'{path / ADAPTER_CONFIG}' must hold a JSON object, not a {type(cfg).__name__}")
     if str(cfg.get("peft_type", "LORA")).upper() != "LORA":
         raise InputError(f"adapter '{spec}' is {cfg.get('peft_type')}; only LoRA adapters can be merged")
     if not (path / ADAPTER_WEIGHTS).exists():

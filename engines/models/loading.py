@@ -17,6 +17,7 @@ from typing import Any, Literal
 from mlxkit import register_auto_classes
 from mlxkit.engines.core.progress import Reporter
 from mlxkit.engines.errors import InputError, ModelLoadError, OfflineError
+from mlxkit.engines.io.safetensors_header import validate_safetensors_dir
 from mlxkit.engines.models import default_model
 from mlxkit.engines.models.hub import hub_offline_by_env, hub_reachable
 
@@ -136,6 +137,8 @@ def load_model(spec: str | ModelSource, *, dtype: str = "float32", allow_pickle:
     source = spec if isinstance(spec, ModelSource) else resolve_spec(spec, reporter)
     _check_hub(source)
     _check_weights_format(source, allow_pickle)
+    if source.path is not None:  # a truncated or corrupt shard becomes one clean error, not a Rust traceback
+        validate_safetensors_dir(source.path)
     name, kwargs = source.load_args
     if source.kind in ("directory", "alias", "hub") and not allow_pickle:
         kwargs["use_safetensors"] = True

@@ -14,15 +14,10 @@ from typing import Any, ClassVar
 
 import torch
 
+from mlxkit.engines.core.seeds import seeded_generator
+from mlxkit.engines.merge.params import WEIGHT, ParamDef
 
-@dataclass(frozen=True)
-class ParamDef:
-    """A parameter a method accepts. `per_model` ones may differ between input models."""
-
-    name: str
-    default: Any
-    help: str
-    per_model: bool = False
+__all__ = ["WEIGHT", "MergeMethod", "ParamDef", "TensorJob", "tensor_generator", "weights_of"]
 
 
 @dataclass
@@ -31,8 +26,8 @@ class TensorJob:
 
     name: str
     matrix: bool                      # 2-D and not excluded: spectral methods may treat it as a matrix
-    params: dict[str, Any]            # global parameters, already resolved for this tensor
-    model_params: list[dict[str, Any]] = field(default_factory=list)  # one dict per input model
+    params: dict[str, Any]            # global parameters, resolved for this tensor and checked
+    model_params: list[dict[str, Any]] = field(default_factory=list)  # one dict per input model, same
     seed: int = 0                     # per-tensor seed for random methods (stable across runs)
 
 
@@ -48,7 +43,7 @@ class MergeMethod(ABC):
         return []
 
     def model_parameters(self) -> list[ParamDef]:
-        return [ParamDef("weight", 1.0, "relative weight of this model", per_model=True)]
+        return [WEIGHT]
 
     def all_parameters(self) -> dict[str, ParamDef]:
         return {p.name: p for p in [*self.parameters(), *self.model_parameters()]}
@@ -60,12 +55,11 @@ class MergeMethod(ABC):
 
 def weights_of(job: TensorJob, like: torch.Tensor) -> torch.Tensor:
     """Per-model weights shaped to broadcast against a stacked [T, ...] tensor."""
-    w = torch.tensor([float(p.get("weight", 1.0)) for p in job.model_params], dtype=like.dtype, device=like.device)
+    w = torch.tensor([float(p["weight"]) for p in job.model_params], dtype=like.dtype, device=like.device)
     return w.view(-1, *([1] * like.dim()))
 
 
 def tensor_generator(job: TensorJob, model_index: int, device: torch.device) -> torch.Generator:
-    """A generator seeded by (run seed, tensor, model): results do not depend on tensor order."""
-    gen = torch.Generator(device=device)
-    gen.manual_seed((job.seed * 1_000_003 + model_index * 7919) % (2**63 - 1))
-    return gen
+    """A generator for (this tensor, model `model_index`): `job.seed` is already per tensor name,
+    so results do not depend on the order tensors are merged in."""
+    return seeded_generator(job.seed, "model", model_index, device=device)

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from mlxkit.engines.merge.methods.base import MergeMethod, ParamDef, TensorJob, tensor_generator, weights_of
+from mlxkit.engines.merge.methods.base import (WEIGHT, MergeMethod, ParamDef, TensorJob, tensor_generator,
+                                              weights_of)
 from mlxkit.engines.merge.methods.ties import sign_consensus_mean
 
 
@@ -32,20 +33,20 @@ class Dare(MergeMethod):
         self.consensus = consensus
 
     def parameters(self) -> list[ParamDef]:
-        return [ParamDef("rescale", True, "rescale survivors by 1/(1-drop_rate)"),
-                ParamDef("normalize", self.consensus, "divide by the (agreeing) weights")]
+        return [ParamDef("rescale", bool, True, "rescale survivors by 1/(1-drop_rate)"),
+                ParamDef("normalize", bool, self.consensus, "divide by the (agreeing) weights")]
 
     def model_parameters(self) -> list[ParamDef]:
-        return [ParamDef("weight", 1.0, "relative weight of this model", per_model=True),
-                ParamDef("drop_rate", 0.9, "probability of dropping each delta entry", per_model=True)]
+        return [WEIGHT, ParamDef("drop_rate", float, 0.9, "probability of dropping each delta entry",
+                                 per_model=True, low=0.0, high=1.0)]
 
     def merge(self, tensors: list[torch.Tensor], job: TensorJob) -> torch.Tensor:
-        rescale = bool(job.params.get("rescale", True))
+        rescale = job.params["rescale"]
         dropped = torch.stack([
-            drop_and_rescale(d, float(p.get("drop_rate", 0.9)), rescale, tensor_generator(job, i, d.device))
+            drop_and_rescale(d, p["drop_rate"], rescale, tensor_generator(job, i, d.device))
             for i, (d, p) in enumerate(zip(tensors, job.model_params))])
         w = weights_of(job, tensors[0])
-        normalize = bool(job.params.get("normalize", self.consensus))
+        normalize = job.params["normalize"]
         if self.consensus:
             return sign_consensus_mean(dropped * w, w.expand_as(dropped), normalize)
         out = (dropped * w).sum(0)

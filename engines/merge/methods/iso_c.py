@@ -17,7 +17,7 @@ class IsoC(MergeMethod):
     reference = "https://arxiv.org/abs/2502.04959"
 
     def parameters(self) -> list[ParamDef]:
-        return [ParamDef("exact", False, "use the official full-SVD computation instead of the Gram fast path")]
+        return [ParamDef("exact", bool, False, "use the official full-SVD computation instead of the Gram fast path")]
 
     def model_parameters(self) -> list[ParamDef]:
         return []  # isotropic merging weighs tasks equally
@@ -26,4 +26,4 @@ class IsoC(MergeMethod):
         if not job.matrix:
             return torch.stack(tensors).mean(0)
         total = torch.stack(tensors).sum(0)
-        return linalg.iso_c_reference(total) if job.params.get("exact") else linalg.iso_c_fast(total)
+        return linalg.iso_c_reference(total) if job.params["exact"] else linalg.iso_c_fast(total)

@@ -17,11 +17,15 @@ class IsoCTS(MergeMethod):
 
     def parameters(self) -> list[ParamDef]:
         return [
-            ParamDef("common_frac", 0.8, "fraction k/r of directions taken from the common subspace"),
-            ParamDef("power_iters", 4, "subspace iterations of the randomized SVD (tall matrices only)"),
-            ParamDef("exact_below", 1024, "tall matrices with at most this many columns get exact residual "
-                                          "directions; wider ones use the randomized SVD"),
-            ParamDef("exact", False, "use the official T+3 full SVDs instead of the fast path"),
+            ParamDef("common_frac", float, 0.8, "fraction k/r of directions taken from the common subspace",
+                     low=0.0, low_open=True, high=1.0),
+            # a few iterations already converge on the decaying spectra of task vectors; the cap only
+            # refuses values that would make one tensor take hours
+            ParamDef("power_iters", int, 4, "subspace iterations of the randomized SVD (tall matrices only)",
+                     low=0, high=100),
+            ParamDef("exact_below", int, 1024, "tall matrices with at most this many columns get exact residual "
+                                               "directions; wider ones use the randomized SVD", low=0),
+            ParamDef("exact", bool, False, "use the official T+3 full SVDs instead of the fast path"),
         ]
 
     def model_parameters(self) -> list[ParamDef]:
@@ -30,12 +34,8 @@ class IsoCTS(MergeMethod):
     def merge(self, tensors: list[torch.Tensor], job: TensorJob) -> torch.Tensor:
         if not job.matrix:
             return torch.stack(tensors).mean(0)
-        frac = float(job.params.get("common_frac", 0.8))
-        if not 0.0 < frac <= 1.0:
-            from mlxkit.engines.errors import InputError
-
-            raise InputError(f"common_frac must be in (0, 1] (got {frac})")
-        if job.params.get("exact"):
+        frac = job.params["common_frac"]  # range (0, 1] checked with the config
+        if job.params["exact"]:
             return linalg.iso_cts_reference(tensors, frac)
-        return linalg.iso_cts_fast(tensors, frac, power_iters=int(job.params.get("power_iters", 4)), seed=job.seed,
-                                   exact_below=int(job.params.get("exact_below", 1024)))
+        return linalg.iso_cts_fast(tensors, frac, power_iters=job.params["power_iters"], seed=job.seed,
+                                   exact_below=job.params["exact_below"])

@@ -15,12 +15,12 @@ class Linear(MergeMethod):
     reference = "https://arxiv.org/abs/2203.05482"
 
     def parameters(self) -> list[ParamDef]:
-        return [ParamDef("normalize", True, "divide by the sum of the weights")]
+        return [ParamDef("normalize", bool, True, "divide by the sum of the weights")]
 
     def merge(self, tensors: list[torch.Tensor], job: TensorJob) -> torch.Tensor:
         w = weights_of(job, tensors[0])
         out = (torch.stack(tensors) * w).sum(0)
-        if job.params.get("normalize", True):
+        if job.params["normalize"]:
             total = float(w.sum())
             if abs(total) < 1e-12:
                 raise InputError(f"linear merge of '{job.name}': the weights sum to zero")

@@ -34,10 +34,10 @@ class Slerp(MergeMethod):
     reference = "https://en.wikipedia.org/wiki/Slerp"
 
     def parameters(self) -> list[ParamDef]:
-        return [ParamDef("t", 0.5, "interpolation factor: 0 = first model, 1 = second")]
+        return [ParamDef("t", float, 0.5, "interpolation factor: 0 = first model, 1 = second", low=0.0, high=1.0)]
 
     def model_parameters(self) -> list[ParamDef]:
         return []
 
     def merge(self, tensors: list[torch.Tensor], job: TensorJob) -> torch.Tensor:
-        return slerp(float(job.params.get("t", 0.5)), tensors[0], tensors[1])
+        return slerp(job.params["t"], tensors[0], tensors[1])

@@ -12,14 +12,14 @@ class TaskArithmetic(MergeMethod):
     reference = "https://arxiv.org/abs/2212.04089"
 
     def parameters(self) -> list[ParamDef]:
-        return [ParamDef("normalize", False, "divide by the sum of the weights")]
+        return [ParamDef("normalize", bool, False, "divide by the sum of the weights")]
 
     def merge(self, tensors: list[torch.Tensor], job: TensorJob) -> torch.Tensor:
-        weights = [float(p.get("weight", 1.0)) for p in job.model_params] or [1.0] * len(tensors)
+        weights = [p["weight"] for p in job.model_params]
         out = tensors[0] * weights[0]  # accumulate in place: no [T, ...] stack (memory-bound on CPU)
         for t, w in zip(tensors[1:], weights[1:]):
             out.add_(t, alpha=w)
-        if job.params.get("normalize"):
+        if job.params["normalize"]:
             total = sum(weights)
             out = out / (total if abs(total) > 1e-8 else 1.0)
         return out

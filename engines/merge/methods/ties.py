@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from mlxkit.engines.merge.methods.base import MergeMethod, ParamDef, TensorJob, weights_of
+from mlxkit.engines.merge.methods.base import WEIGHT, MergeMethod, ParamDef, TensorJob, weights_of
 
 
 def magnitude_trim(delta: torch.Tensor, density: float) -> torch.Tensor:
@@ -43,14 +43,13 @@ class Ties(MergeMethod):
     reference = "https://arxiv.org/abs/2306.01708"
 
     def parameters(self) -> list[ParamDef]:
-        return [ParamDef("normalize", True, "disjoint mean (divide by the weights of agreeing entries)")]
+        return [ParamDef("normalize", bool, True, "disjoint mean (divide by the weights of agreeing entries)")]
 
     def model_parameters(self) -> list[ParamDef]:
-        return [ParamDef("weight", 1.0, "relative weight of this model", per_model=True),
-                ParamDef("density", 0.2, "fraction of each task vector's entries kept (by magnitude)", per_model=True)]
+        return [WEIGHT, ParamDef("density", float, 0.2, "fraction of each task vector's entries kept (by magnitude)",
+                                 per_model=True, low=0.0, high=1.0)]
 
     def merge(self, tensors: list[torch.Tensor], job: TensorJob) -> torch.Tensor:
-        trimmed = torch.stack([magnitude_trim(d, float(p.get("density", 0.2)))
-                               for d, p in zip(tensors, job.model_params)])
+        trimmed = torch.stack([magnitude_trim(d, p["density"]) for d, p in zip(tensors, job.model_params)])
         w = weights_of(job, tensors[0])
-        return sign_consensus_mean(trimmed * w, w.expand_as(trimmed), bool(job.params.get("normalize", True)))
+        return sign_consensus_mean(trimmed * w, w.expand_as(trimmed), job.params["normalize"])
