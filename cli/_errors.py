@@ -1,9 +1,16 @@
-"""Turn engine errors into one line on stderr and an exit code (no tracebacks)."""
+"""Turn errors into one line on stderr and an exit code (no tracebacks).
+
+With `--json` the same error is also printed on stdout as one JSON object,
+`{"error": {"type": ..., "message": ..., "exit_code": ...}}`, so a CI job that parses
+stdout gets a parseable answer on failure too (`cli/main.py` prints it).
+"""
 
 from __future__ import annotations
 
 import functools
+import json
 import os
+import sys
 from typing import Callable, TypeVar
 
 import typer
@@ -17,15 +24,43 @@ _stderr = Console(stderr=True)
 # Exceptions outside our hierarchy that still mean "bad input" and deserve one line.
 _FOREIGN_INPUT_ERRORS: tuple[type[BaseException], ...] = (FileNotFoundError, IsADirectoryError, PermissionError)
 
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
+EXIT_TERMINATED = 143  # 128 + SIGTERM
 
-def fail(message: str, code: int = 2) -> typer.Exit:
+
+class Terminated(KeyboardInterrupt):
+    """Raised by the CLI's SIGTERM handler (`cli/main.py`).
+
+    A subclass of KeyboardInterrupt so a SIGTERM unwinds exactly like Ctrl-C: `with`
+    blocks exit (atomic writes remove their temporaries) and `except Exception` in the
+    engines does not swallow it. Only the exit code differs.
+    """
+
+
+class Failure(typer.Exit):
+    """The Exit raised for an error; it keeps the message so `--json` can repeat it on stdout."""
+
+    def __init__(self, message: str, code: int, error_type: str) -> None:
+        super().__init__(code)
+        self.message = message
+        self.error_type = error_type
+
+
+def fail(message: str, code: int = 2, error_type: str = "UsageError") -> Failure:
     """Print one error line and return the Exit to raise (flag conflicts and the like)."""
     _stderr.print(f"[bold red]error:[/bold red] {message}", highlight=False, soft_wrap=True)
-    return typer.Exit(code)
+    return Failure(message, code, error_type)
+
+
+def print_json_error(error_type: str, message: str, exit_code: int) -> None:
+    """The `--json` form of an error: one object on stdout."""
+    payload = {"error": {"type": error_type, "message": message, "exit_code": exit_code}}
+    sys.stdout.write(json.dumps(payload) + "\n")
+    sys.stdout.flush()
 
 
 def guarded(func: F) -> F:
-    """Run a CLI command; engine errors become `error: ...` and a non-zero exit code.
+    """Run a CLI command; errors become `error: ...` and a non-zero exit code.
 
     Set MLXKIT_DEBUG=1 to see the full traceback instead.
     """
@@ -37,13 +72,17 @@ def guarded(func: F) -> F:
         try:
             return func(*args, **kwargs)
         except MlxkitError as exc:
-            raise fail(str(exc), exc.exit_code) from None
+            raise fail(str(exc), exc.exit_code, type(exc).__name__) from None
         except _FOREIGN_INPUT_ERRORS as exc:
-            raise fail(f"{exc.strerror or exc}: {exc.filename}" if getattr(exc, "filename", None) else str(exc),
-                       2) from None
+            message = f"{exc.strerror or exc}: {exc.filename}" if getattr(exc, "filename", None) else str(exc)
+            raise fail(message, 2, type(exc).__name__) from None
+        except Terminated:
+            raise fail("terminated (SIGTERM); nothing partial was written (rerun to resume where supported)",
+                       EXIT_TERMINATED, "Terminated") from None
         except KeyboardInterrupt:
-            raise fail("interrupted; nothing partial was written (rerun to resume where supported)", 130) from None
+            raise fail("interrupted; nothing partial was written (rerun to resume where supported)",
+                       EXIT_INTERRUPTED, "Interrupted") from None
         except MemoryError:
-            raise fail("out of memory; try a smaller --batch or --seq-len", 7) from None
+            raise fail("out of memory; try a smaller --batch or --seq-len", 7, "MemoryError") from None
 
     return wrapper  # type: ignore[return-value]

@@ -22,7 +22,6 @@ VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="More detail o
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace an existing output.")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Random seed.")]
 AllowPickleOpt = Annotated[bool, typer.Option("--allow-pickle", help="Allow loading pickle (.bin) weights. Only for checkpoints you trust.")]
-TrustRemoteCodeOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow a checkpoint's own Python code to run.")]
 
 console = Console()
 

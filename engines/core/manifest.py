@@ -79,11 +79,6 @@ class Manifest:
         return path
 
 
-def read_manifest(directory: str | os.PathLike) -> dict[str, Any] | None:
-    path = Path(directory) / MANIFEST_NAME
-    return json.loads(path.read_text()) if path.exists() else None
-
-
 def _command_line() -> str:
     import shlex
 

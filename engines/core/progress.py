@@ -1,15 +1,24 @@
 """Progress and notices from long-running engine work.
 
 Engines take a `Reporter` and never print directly. The CLI passes a `RichReporter`
-(progress bars with ETA on stderr) unless `--quiet` or `--json` asks for silence.
+(progress on stderr) unless `--quiet` or `--json` asks for silence. On a terminal it draws
+live bars with an ETA; in a log file or a pipe (CI, `make demo > log`) a live bar prints
+nothing until it ends, so there it writes plain, flushed lines instead.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable, Iterator, TypeVar
+import time
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, TypeVar
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 T = TypeVar("T")
+
+# How often a non-terminal log gets a progress line for a running task.
+LOG_INTERVAL_S = 30.0
 
 
 class Reporter:
@@ -38,13 +47,20 @@ class TaskHandle:
 
 
 class RichReporter(Reporter):
-    """Progress bars with an ETA and notices, all on stderr."""
+    """Progress and notices on stderr: live bars on a terminal, plain lines otherwise.
 
-    def __init__(self, verbose: bool = False) -> None:
+    `console`, `interval_s` and `clock` exist for tests: a console writing to a string
+    buffer is not a terminal, and a fake clock makes the line cadence deterministic.
+    """
+
+    def __init__(self, verbose: bool = False, *, console: Console | None = None,
+                 interval_s: float = LOG_INTERVAL_S, clock: Callable[[], float] = time.monotonic) -> None:
         from rich.console import Console
 
-        self.console = Console(stderr=True)
+        self.console = console if console is not None else Console(stderr=True)
         self.verbose = verbose
+        self.interval_s = interval_s
+        self.clock = clock
 
     def _progress(self):
         from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
@@ -64,16 +80,33 @@ class RichReporter(Reporter):
 
     @contextlib.contextmanager
     def task(self, description: str, total: int | None = None) -> Iterator[TaskHandle]:
+        if not self.console.is_terminal:
+            handle = _LogTaskHandle(self._write_line, description, total, self.interval_s, self.clock)
+            yield handle
+            handle.finish()  # not on an exception: the error line that follows says what happened
+            return
         with self._progress() as progress:
             task_id = progress.add_task(description, total=total, info="")
             yield _RichTaskHandle(progress, task_id)
 
     def notice(self, message: str) -> None:
-        self.console.print(f"[cyan]•[/cyan] {message}", highlight=False)
+        # soft_wrap: one line per notice in a log too (rich would wrap it at 80 columns there)
+        self.console.print(f"[cyan]•[/cyan] {message}", highlight=False, soft_wrap=True)
 
     def debug(self, message: str) -> None:
         if self.verbose:
-            self.console.print(f"[dim]{message}[/dim]", highlight=False)
+            self.console.print(f"[dim]{message}[/dim]", highlight=False, soft_wrap=True)
+
+    def _write_line(self, line: str) -> None:
+        # Written to the stream itself, not through rich, so a line is never wrapped or styled,
+        # and flushed at once so `tail -f` on a log shows it while the task runs.
+        stream = self.console.file
+        stream.write(line + "\n")
+        stream.flush()
+
+
+def _format_fields(fields: dict[str, object]) -> str:
+    return "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in fields.items())
 
 
 class _RichTaskHandle(TaskHandle):
@@ -84,5 +117,70 @@ class _RichTaskHandle(TaskHandle):
         self.progress.advance(self.task_id, amount)
 
     def update(self, **fields: object) -> None:
-        info = "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in fields.items())
-        self.progress.update(self.task_id, info=info)
+        self.progress.update(self.task_id, info=_format_fields(fields))
+
+
+class _LogTaskHandle(TaskHandle):
+    """One line when the task starts, one at most every `interval_s` while it runs, one at the end."""
+
+    def __init__(self, write: Callable[[str], None], description: str, total: int | None, interval_s: float,
+                 clock: Callable[[], float]) -> None:
+        self.write, self.description, self.total = write, description, total
+        self.interval_s, self.clock = interval_s, clock
+        self.done = 0.0
+        self.fields: dict[str, object] = {}
+        self.started = self.last_line = clock()
+        self.write(f"{description}: started" + (f" ({_count(total)} steps)" if total is not None else ""))
+
+    def advance(self, amount: float = 1.0) -> None:
+        self.done += amount
+        self._maybe_write()
+
+    def update(self, **fields: object) -> None:
+        self.fields.update(fields)
+        self._maybe_write()
+
+    def finish(self) -> None:
+        elapsed = self.clock() - self.started
+        parts = [f"{self._progress_count()} done in {_duration(elapsed)}"]
+        if elapsed > 0 and self.done:
+            parts.append(f"{_rate(self.done / elapsed)}/s")
+        self.write(self._line(parts))
+
+    def _maybe_write(self) -> None:
+        now = self.clock()
+        if now - self.last_line < self.interval_s:
+            return
+        self.last_line = now
+        elapsed = now - self.started
+        rate = self.done / elapsed if elapsed > 0 else 0.0
+        parts = [self._progress_count(), f"{_rate(rate)}/s"]
+        if self.total is not None and rate > 0:
+            parts.append(f"ETA {_duration(max(0.0, self.total - self.done) / rate)}")
+        self.write(self._line(parts))
+
+    def _progress_count(self) -> str:
+        return _count(self.done) + (f"/{_count(self.total)}" if self.total is not None else "")
+
+    def _line(self, parts: list[str]) -> str:
+        if self.fields:
+            parts = [*parts, _format_fields(self.fields)]
+        return f"{self.description}: " + ", ".join(parts)
+
+
+def _count(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else f"{value:.4g}"
+
+
+def _rate(per_second: float) -> str:
+    return f"{per_second:,.0f}" if per_second >= 1000 else f"{per_second:.3g}"
+
+
+def _duration(seconds: float) -> str:
+    """`42s`, `3m05s`, `2h07m`: short enough for a log line, exact enough for an ETA."""
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"

@@ -14,6 +14,10 @@ from mlxkit.engines.models.loading import load_model
 def run_eval(model: str, *, data: str | os.PathLike | None, reference: str | None = None, max_tokens: int = 8192,
              seq_len: int = 512, text_field: str = "text", seed: int = 0, allow_pickle: bool = False,
              reporter: Reporter | None = None) -> dict:
+    """Perplexity of `model` on `data` (or, without data, on text sampled from the reference or the model).
+
+    With a reference, also KL(reference || model), top-1 agreement and the reference's own perplexity.
+    """
     reporter = reporter or Reporter()
     if max_tokens < seq_len:
         raise InputError(f"--max-tokens ({max_tokens}) must be at least --seq-len ({seq_len})")

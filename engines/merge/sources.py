@@ -115,14 +115,14 @@ def resolve_input(spec: str, reporter: Optional[Reporter] = None) -> MergeInput:
     path = Path(spec).expanduser()
     if path.is_dir() and (path / ADAPTER_CONFIG).exists():
         return _lora_input(spec, path.resolve())
-    from mlxkit.engines.models.loading import _check_hub, resolve_spec
+    from mlxkit.engines.models.loading import check_hub_reachable, resolve_spec
 
     source = resolve_spec(spec, reporter)
     if source.kind == "gguf":
         raise InputError(f"'{spec}' is a GGUF file; merge reads safetensors checkpoints "
                          "(convert it first, e.g. with `mlx fetch`)")
     if source.kind == "hub":
-        _check_hub(source)  # raises OfflineError quickly when the hub is out of reach
+        check_hub_reachable(source)  # raises OfflineError quickly when the hub is out of reach
         path = _download(spec, reporter)
         if (path / ADAPTER_CONFIG).exists():
             return _lora_input(spec, path)

