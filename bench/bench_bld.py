@@ -28,11 +28,12 @@ def run(args: list[str]) -> float:
     return time.perf_counter() - start
 
 
-def kl_table(library: Path) -> dict[tuple[int, str, str], tuple[str, float]]:
-    data = json.loads((library / "library.json").read_text())
-    return {(layer["layer"], kind, name): (item.get("source"), item["metrics"]["kl_div"])
-            for layer in data["layers"] for kind in ("attention", "ffn")
-            for name, item in layer[kind].items() if "metrics" in item}
+def kl_table(library: Path) -> dict[tuple[int, str, str], tuple[str | None, float]]:
+    from mlxkit.engines.puzzle.library import read_library
+
+    return {(layer.layer, kind, name): (item.source, item.metrics["kl_div"])
+            for layer in read_library(library).layers for kind in ("attention", "ffn")
+            for name, item in layer.entries(kind).items() if item.metrics}
 
 
 def main() -> None:

@@ -42,8 +42,8 @@ def main() -> None:
     from mlxkit.engines.calibrate.timing import time_model
     from mlxkit.engines.models.decilm.convert import from_parent
     from mlxkit.engines.models.loading import load_model
-    from mlxkit.engines.puzzle.hw_profile import load_profile
-    from mlxkit.engines.puzzle.variants import BlockChoice, ParentShape, parent_attention, parent_ffn
+    from mlxkit.engines.hardware.profile import load_profile
+    from mlxkit.engines.models.decilm.blocks import BlockChoice, ParentShape, parent_attention, parent_ffn
 
     torch.set_num_threads(args.threads)
     # The same clock calibrate uses: thread CPU time when single-threaded, else the wall clock.

@@ -6,11 +6,11 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.table import Table
 
 from mlxkit.cli._errors import fail, guarded
 from mlxkit.cli._options import (AllowPickleOpt, DataOpt, JsonOpt, OverwriteOpt, QuietOpt, RecipeOpt, SeedOpt,
                                  VerboseOpt, console, emit_json, make_reporter)
+from mlxkit.engines.core.sizes import SIZE_HELP
 
 
 @guarded
@@ -19,10 +19,10 @@ def search_command(
     model: Annotated[str, typer.Option("--model", "-m", help="Parent model.")] = "smollm2-135m",
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Where to save the child checkpoint. Default: ./puzzle-child-TARGET.")] = None,
     throughput: Annotated[Optional[str], typer.Option("--throughput", help="Minimum throughput: tokens/s or a multiple of the parent's, e.g. 2x.")] = None,
-    memory: Annotated[Optional[str], typer.Option("--memory", help="Maximum memory, e.g. 80GiB.")] = None,
+    memory: Annotated[Optional[str], typer.Option("--memory", help=f"Maximum memory: {SIZE_HELP}; e.g. 80GiB or 40GB.")] = None,
     latency: Annotated[Optional[str], typer.Option("--latency", help="Maximum runtime of one scenario batch, e.g. 30s.")] = None,
     params: Annotated[Optional[str], typer.Option("--params", help="Maximum parameter count, e.g. 100M.")] = None,
-    scenario: Annotated[Optional[str], typer.Option("--scenario", help="Deployment scenario, e.g. batch=256,in=128,out=1024,weights=fp8.")] = None,
+    scenario: Annotated[Optional[str], typer.Option("--scenario", help="Deployment scenario, e.g. batch=256,in=128,out=1024,weights=fp8; fields not given keep the target profile's default scenario.")] = None,
     recipe: RecipeOpt = "quick",
     library: Annotated[Optional[Path], typer.Option("--library", help="Block library (mlxkit dir/JSON, or an NVlabs/puzzle demo JSON).")] = None,
     costs: Annotated[str, typer.Option("--costs", help="'profile' (predict from shapes) or 'library' (the library's own stats).")] = "profile",
@@ -31,7 +31,9 @@ def search_command(
     min_distance: Annotated[Optional[int], typer.Option("--min-distance", min=1, help="Layers in which solutions must differ (default 20%).")] = None,
     batch_sweep: Annotated[Optional[str], typer.Option("--batch-sweep", help="Comma-separated batch sizes to solve for; keeps the best.")] = None,
     costs_only: Annotated[bool, typer.Option("--costs-only", help="Price the search space from the config alone (no weights).")] = False,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Solve and report, but write no checkpoint.")] = False,
+    write_costs: Annotated[Optional[Path], typer.Option("--write-costs", help="Write the priced variants of every layer (JSON).")] = None,
+    write_lp: Annotated[Optional[Path], typer.Option("--write-lp", help="Write the MIP, caps included, in the LP file format.")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Solve and report, but write no checkpoint (--write-costs and --write-lp still write their files).")] = False,
     data: DataOpt = None,
     seed: SeedOpt = 0,
     overwrite: OverwriteOpt = False,
@@ -47,6 +49,8 @@ def search_command(
     if costs not in ("profile", "library"):
         raise fail(f"--costs must be 'profile' or 'library' (got '{costs}')")
     if costs_only:
+        if write_costs or write_lp:
+            raise fail("--write-costs and --write-lp price a library; --costs-only prints its table (use --json)")
         report = price_only(model, target, scenario, recipe or "quick", reporter)
         emit_json(report) if json_out else render_costs(report, console)
         return
@@ -59,6 +63,7 @@ def search_command(
                             model=model, recipe=recipe or "quick", library=library, data=data, throughput=throughput,
                             memory=memory, latency=latency, params=params, scenario=scenario, costs=costs,  # type: ignore[arg-type]
                             metric=metric, solutions=solutions, min_distance=min_distance, batch_sweep=sweep,
-                            seed=seed, overwrite=overwrite, allow_pickle=allow_pickle)
+                            write_costs=write_costs, write_lp=write_lp, seed=seed, overwrite=overwrite,
+                            allow_pickle=allow_pickle)
     result = run_search(options, reporter)
     emit_json(result) if json_out else render_search(result, console, quiet)

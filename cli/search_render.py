@@ -45,6 +45,9 @@ def render_search(result: dict, console: Console, quiet: bool = False) -> None:
             summary.add_row("alternative", f"{result['metric']} {_num(alt['objective'])}, differs in "
                                            f"{alt['distance_from_best']} layers")
         console.print(summary)
+    for key, label in (("costs_file", "priced variants"), ("lp_file", "MIP (LP format)")):
+        if result.get(key):
+            console.print(f"[green]{label}[/green] {result[key]}")
     if result.get("out"):
         console.print(f"[green]child[/green] {result['out']}")
 

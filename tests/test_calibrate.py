@@ -11,9 +11,10 @@ from typer.testing import CliRunner
 from mlxkit.cli.main import app
 from mlxkit.engines.calibrate.fit import apply_params, fit_profile
 from mlxkit.engines.calibrate.run import calibration_variants
-from mlxkit.engines.puzzle.costs import CostModel, Scenario
-from mlxkit.engines.puzzle.hw_profile import load_profile
-from mlxkit.engines.puzzle.variants import FFNVariant, ParentShape
+from mlxkit.engines.hardware.costs import CostModel
+from mlxkit.engines.hardware.profile import load_profile
+from mlxkit.engines.hardware.scenario import Scenario
+from mlxkit.engines.models.decilm.blocks import FFNVariant, ParentShape
 
 # One thread: tiny ops on a busy 2-core machine are dominated by OpenMP hand-offs otherwise.
 FAST = ["--batch", "1,2", "--seq", "8,16", "--copies", "2", "--repeats", "1", "--decode-steps", "2", "--threads", "1"]

@@ -10,9 +10,9 @@ from transformers import AutoModelForCausalLM, MistralConfig, MistralForCausalLM
 
 import mlxkit  # noqa: F401  (registers the Auto classes)
 from conftest import make_tiny_llama
+from mlxkit.engines.models.decilm.blocks import AttentionVariant, BlockChoice, FFNVariant, ParentShape
 from mlxkit.engines.models.decilm.convert import child_config, from_parent
 from mlxkit.engines.models.decilm.modeling_mlx_decilm import MlxDeciLMForCausalLM
-from mlxkit.engines.puzzle.variants import AttentionVariant, BlockChoice, FFNVariant, ParentShape
 
 IDS = torch.tensor([[1, 7, 30, 99, 4, 12, 64, 3, 3, 90]])
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 
 from conftest import make_tiny_llama
+from mlxkit.engines.models.decilm.blocks import AttentionVariant, FFNVariant
 from mlxkit.engines.models.decilm.convert import from_parent
 from mlxkit.engines.puzzle import activations
-from mlxkit.engines.puzzle.block_init import initialise, kv_head_groups, least_squares_map
 from mlxkit.engines.puzzle.bld import normalized_mse
+from mlxkit.engines.puzzle.block_init import initialise, kv_head_groups, least_squares_map
 from mlxkit.engines.puzzle.subblocks import parent_subblock
-from mlxkit.engines.puzzle.variants import AttentionVariant, FFNVariant
 
 
 def _parent_and_states(seq_len: int = 24, n: int = 6):

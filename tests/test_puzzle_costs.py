@@ -1,25 +1,18 @@
-"""Hardware profiles, the analytic cost model, budgets, and library pricing/reading."""
+"""Hardware profiles and their default scenarios, the analytic cost model, and budgets."""
 
 from __future__ import annotations
-
-import copy
-from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import make_tiny_llama
 from mlxkit.engines.errors import InputError
+from mlxkit.engines.hardware.costs import MIB, CostModel, price_variants
+from mlxkit.engines.hardware.profile import HardwareProfile, available_profiles, load_profile
+from mlxkit.engines.hardware.scenario import Scenario
+from mlxkit.engines.models.decilm.blocks import AttentionVariant, BlockChoice, FFNVariant, ParentShape
 from mlxkit.engines.puzzle.budgets import Budgets, Throughput, parse_count, parse_memory_mib, parse_time_ms
-from mlxkit.engines.puzzle.costs import MIB, CostModel, Scenario, price_variants
-from mlxkit.engines.puzzle.hw_profile import HardwareProfile, available_profiles, load_profile
-from mlxkit.engines.puzzle.library_pricing import (library_format, library_problem, load_library, parent_totals,
-                                                   price_library, solution_block_choices)
-from mlxkit.engines.puzzle.mip import Solver
-from mlxkit.engines.puzzle.nvlabs_library import block_choice, read_nvlabs_library, split_variant_name
-from mlxkit.engines.puzzle.variants import AttentionVariant, BlockChoice, FFNVariant, ParentShape
 
-FIXTURE = Path(__file__).parent / "fixtures" / "nvlabs_library_small.json"
 LLAMA70B = ParentShape(hidden_size=8192, num_layers=80, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
                        intermediate_size=28672, vocab_size=128256, tie_word_embeddings=False)
 NVLABS_KEYS = {"memory_mib", "runtime_ms", "num_params", "num_kv_heads", "ffn_intermediate_size",
@@ -65,6 +58,43 @@ def test_profile_from_path_and_validation(tmp_path):
         load_profile(tmp_path / "missing.yaml")
 
 
+def test_every_packaged_profile_carries_a_default_scenario_for_its_device():
+    for name in available_profiles():
+        profile = load_profile(name)
+        assert profile.default_scenario is not None, name
+        assert profile.sources.get("default_scenario"), f"{name}: no source for default_scenario"
+        assert profile.scenario() == profile.default_scenario
+        if name != "cpu":  # GPUs: the paper's workload, FP8 exactly where the chip has FP8 units
+            fp8 = "fp8" in profile.peak_tflops
+            expected = Scenario(256, 128, 1024, "fp8" if fp8 else "bf16", "fp8" if fp8 else "bf16")
+            assert profile.default_scenario == expected, name
+    # Today's h100 behaviour is kept; the CPU serves one small float32 request.
+    assert load_profile("h100").scenario() == Scenario.parse("batch=256,in=128,out=1024,weights=fp8")
+    assert load_profile("cpu").scenario() == Scenario(1, 128, 128, "fp32", "fp32")
+    # --scenario changes only the fields it names.
+    assert load_profile("cpu").scenario("batch=4") == Scenario(4, 128, 128, "fp32", "fp32")
+    assert load_profile("a100-80gb").scenario("weights=fp8").kv_dtype == "fp8"  # the cache follows FP8 weights
+    assert load_profile("h100").scenario("weights=bf16").kv_dtype == "fp8"
+
+
+def test_default_scenario_is_validated_and_optional(tmp_path):
+    data = load_profile("l40s").to_yaml()
+    assert "default_scenario" in data
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(data.replace("weight_dtype: fp8", "weight_dtype: fp9"))
+    with pytest.raises(InputError, match="default_scenario.*fp9"):
+        load_profile(bad)
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text(data.replace("  batch: 256", "  batch: 256\n  beam: 4"))
+    with pytest.raises(InputError, match="default_scenario.beam"):
+        load_profile(unknown)
+    # A profile written before default_scenario existed falls back to the paper's workload.
+    old = load_profile("a100-80gb").model_copy(update={"default_scenario": None, "name": "old"})
+    path = tmp_path / "old.yaml"
+    path.write_text(old.to_yaml())
+    assert load_profile(path).scenario() == Scenario(256, 128, 1024, "bf16", "bf16")
+
+
 # ---------------------------------------------------------------- scenario and budgets
 
 def test_scenario_parsing():
@@ -83,7 +113,9 @@ def test_scenario_parsing():
 def test_budget_strings():
     assert parse_memory_mib("80GiB") == 80 * 1024
     assert parse_memory_mib("40GB") == pytest.approx(40e9 / 2**20)
-    assert parse_memory_mib("75000") == 75000
+    assert parse_memory_mib("75000MiB") == 75000
+    assert parse_memory_mib("1048576") == 1.0  # a bare number is bytes, as for every size in mlxkit
+    assert parse_memory_mib(str(3 * 2**20)) == 3.0
     assert parse_time_ms("500ms") == 500 and parse_time_ms("2s") == 2000 and parse_time_ms("250") == 250
     assert parse_count("7B") == 7e9 and parse_count("500M") == 5e8
     assert Throughput.parse("2x").multiple == 2 and Throughput.parse("5000").tokens_per_s == 5000
@@ -188,8 +220,10 @@ def test_linear_subblocks_cost_the_same_in_attention_and_ffn():
     assert attention.decode_runtime_ms == pytest.approx(255 * attention.decode_step_ms)
 
 
-def test_llama70b_cost_check_against_the_brief():
-    # §10 of the Puzzle brief: batch 256, 128+1024 tokens, FP8 weights and KV cache on one H100.
+def test_llama70b_parent_does_not_fit_one_h100_at_the_paper_scenario():
+    # Batch 256, 128 + 1024 tokens, FP8 weights and KV cache: 70.55B parameters are 65.7 GiB of
+    # weights, and the cache of 80 layers x 8 KV heads x 128 dims x 2 (K, V) x 1 byte for
+    # 256 x 1152 tokens is 45 GiB, so the parent needs more than one 80 GiB H100.
     cm = CostModel(LLAMA70B, load_profile("h100"), Scenario.parse("batch=256,in=128,out=1024,weights=fp8"))
     parent = cm.parent_model()
     assert parent.num_params == pytest.approx(70.55e9, rel=1e-3)
@@ -201,8 +235,15 @@ def test_llama70b_cost_check_against_the_brief():
     assert parent.generated_tokens_per_s == pytest.approx(256 * 1024 / (parent.runtime_ms / 1e3))
 
 
-def test_h100_profile_reproduces_nvlabs_demo_measurements_within_10_percent():
-    # Demo: 'NVIDIA H100 80GB HBM3', fp8, batch 256, 1200 tokens (split assumed 128 + 1072).
+def test_h100_efficiencies_still_fit_the_nvlabs_demo_measurements_they_were_chosen_for():
+    """A fit check, not a validation against NVIDIA's measurements.
+
+    The h100 profile's efficiency factors and kernel overhead were chosen to reproduce these
+    very runtimes (the NVlabs/puzzle demo library's Llama-3.3-70B subblocks on 'NVIDIA H100
+    80GB HBM3', fp8, batch 256, 1200 tokens, split assumed 128 + 1072), so agreement here says
+    nothing about unseen shapes; it guards the fit against changes to the cost model or the
+    profile. The parameter counts are exact and do check the shapes.
+    """
     cm = CostModel(LLAMA70B, load_profile("h100"), Scenario(256, 128, 1072, "fp8", "fp8"))
     measured_ffn = {28672: 463.15, 21504: 354.68, 17920: 306.18, 14336: 226.34, 7168: 130.42, 5632: 115.92,
                     2816: 83.98}
@@ -225,83 +266,3 @@ def test_stats_use_the_nvlabs_vocabulary():
     table = price_variants(LLAMA70B, load_profile("h100"), Scenario(), [AttentionVariant("gqa", 8)],
                            [FFNVariant("linear")])
     assert set(table) == {"attention", "ffn", "non_block", "parent", "stats_context"}
-
-
-# ---------------------------------------------------------------- libraries
-
-def _toy_library() -> dict:
-    shape = ParentShape.from_config(make_tiny_llama().config)
-    attention = {"kv2": ({"kind": "gqa", "n_kv_heads": 2}, 0.0), "kv1": ({"kind": "gqa", "n_kv_heads": 1}, 0.2),
-                 "linear": ({"kind": "linear"}, 0.5), "no_op": ({"kind": "no_op"}, 1.5)}
-    ffn = {"ffn64": ({"kind": "mlp", "intermediate_size": 64}, 0.0),
-           "ffn32": ({"kind": "mlp", "intermediate_size": 32}, 0.3), "no_op": ({"kind": "no_op"}, 2.0)}
-    layers = []
-    for i in range(shape.num_layers):
-        layers.append({"layer": i,
-                       "attention": {n: {"variant": v, "file": None, "metrics": {"kl_div": s * (i + 1), "lm_loss": 2 + s}}
-                                     for n, (v, s) in attention.items()},
-                       "ffn": {n: {"variant": v, "file": None, "metrics": {"kl_div": s * (i + 1), "lm_loss": 2 + s}}
-                               for n, (v, s) in ffn.items()}})
-    return {"format": "mlxkit.block_library", "version": 1,
-            "parent": {"spec": "tiny", "shape": shape.__dict__}, "layers": layers}
-
-
-def test_price_library_fills_stats_and_matches_profile_pricing():
-    library = _toy_library()
-    profile, scenario = load_profile("h100"), Scenario.parse("batch=4,in=32,out=32")
-    priced = price_library(copy.deepcopy(library), profile, scenario)
-    entry = priced["layers"][0]["attention"]["kv1"]
-    assert {"memory_mib", "runtime_ms", "num_params", "num_kv_heads", "prefill_runtime_ms",
-            "decode_step_ms"} <= set(entry["stats"])
-    assert priced["stats_context"]["profile"] == "h100"
-    assert priced["stats_context"]["scenario"]["batch"] == 4
-    assert "stats" in priced["non_block"]
-    from_stats = library_problem(priced, costs="library")
-    from_profile = library_problem(library, costs="profile", profile=profile, scenario=scenario)
-    caps = {"memory_mib": parent_totals(from_profile)["memory_mib"] * 0.9}
-    a, b = Solver.build(from_stats).solve(caps), Solver.build(from_profile).solve(caps)
-    assert a.choices == b.choices and a.totals["memory_mib"] == pytest.approx(b.totals["memory_mib"])
-    assert len(solution_block_choices(a)) == 2
-    with pytest.raises(InputError, match="no stats"):
-        library_problem(library, costs="library")
-    with pytest.raises(InputError, match="top1_agreement"):
-        library_problem(priced, metric="top1_agreement", costs="library")
-
-
-def test_nvlabs_fixture_reads_and_solves():
-    library = load_library(FIXTURE)
-    assert library_format(library) == "nvlabs"
-    layers = read_nvlabs_library(library)
-    assert len(layers) == 3 and all(len(v) == 5 for v in layers)
-    name = next(iter(layers[0]))
-    assert split_variant_name(name) == ("4 kv heads (parent * 100%)", "intermediate size 1e3 (parent * 100%)")
-    assert block_choice(name, layers[0][name]["stats"]).name == "kv4+ffn1024"
-    assert block_choice("attention = no_op (parent * 0%)\t&&\tffn = no_op (parent * 0%)").name == "no_op+no_op"
-    problem = library_problem(library, costs="library")
-    assert [g.kind for g in problem.groups] == ["block"] * 3 and not problem.fixed_costs
-    assert parent_totals(problem) == {"memory_mib": 192.0, "runtime_ms": 150.0, "num_params": 3 * 1_050_112}
-    solution = Solver.build(problem).solve({"memory_mib": 150})
-    # Saving 42 MiB: dropping layer 1's attention (KL 0.4), or three smaller cuts (0.08 + 0.12 + 0.2).
-    assert solution.objective == pytest.approx(0.4)
-    assert solution.totals["memory_mib"] <= 150
-    # Re-pricing with a profile needs the parent's shape.
-    with pytest.raises(InputError, match="parent"):
-        library_problem(library, costs="profile", profile=load_profile("h100"), scenario=Scenario())
-    shape = ParentShape(256, 3, 4, 4, 64, 1024, 1000, False)
-    repriced = library_problem(library, costs="profile", profile=load_profile("h100"), scenario=Scenario(), parent=shape)
-    assert repriced.fixed_costs["num_params"] > 0
-    option = repriced.groups[0].options[0]
-    assert option.meta["name"].startswith("attention = 4 kv heads")
-
-
-def test_nvlabs_reader_rejects_malformed_files(tmp_path):
-    bad = tmp_path / "bad.json"
-    bad.write_text('{"layer_0": {"attention = kv && ffn = x": {"stats": {}}}}')
-    with pytest.raises(InputError, match="metrics"):
-        read_nvlabs_library(bad)
-    gap = tmp_path / "gap.json"
-    gap.write_text('{"layer_1": {"attention = no_op && ffn = no_op": {"stats": {}, "metrics": {}}}}')
-    with pytest.raises(InputError, match="missing"):
-        read_nvlabs_library(gap)
-    with pytest.raises(InputError):
-        split_variant_name("ffn = only")

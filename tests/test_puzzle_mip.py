@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
-import time
+import re
 import warnings
 
 import pytest
@@ -196,7 +196,7 @@ def test_batch_sweep_keeps_the_best_objective():
         # Activation workspace grows with the batch too: batch 64 cannot fit at all.
         problem = decoupled_problem(priced, fixed_costs={"memory_mib": 2.0 * batch}, metric="kl_div",
                                     tokens=batch * 100)
-        caps = Budgets.parse(memory="100", throughput="8000").constraints(tokens=batch * 100)
+        caps = Budgets.parse(memory="100MiB", throughput="8000").constraints(tokens=batch * 100)
         return problem, caps
 
     result = sweep_batch_sizes(make, [1, 2, 4, 8, 64])
@@ -210,7 +210,8 @@ def test_batch_sweep_keeps_the_best_objective():
         sweep_batch_sizes(lambda b: (make(b)[0], {"memory_mib": 1.0}), [1, 2])
 
 
-def test_80_layers_54_combinations_solve_fast():
+def test_80_layers_54_combinations_solve_to_proven_optimality():
+    # How long this takes is measured by bench/bench_mip.py, not asserted here.
     rng = random.Random(0)
     groups = []
     for layer in range(80):
@@ -222,9 +223,73 @@ def test_80_layers_54_combinations_solve_fast():
                                                             "runtime_ms": 354 * a_size + 463 * f_size + 20}))
         groups.append(Group(layer, "block", tuple(options)))
     problem = SearchProblem(groups, {"memory_mib": 2000.0})
-    start = time.perf_counter()
+    caps = {"memory_mib": 80_000, "runtime_ms": 0.6 * 80 * 837}
     with warnings.catch_warnings():
         warnings.simplefilter("error", SolverWarning)
-        solution = Solver.build(problem).solve({"memory_mib": 80_000, "runtime_ms": 0.6 * 80 * 837})
-    assert time.perf_counter() - start < 5.0
+        solution = Solver.build(problem).solve(caps)
     assert solution.status == "optimal" and len(solution.choices) == 80
+    assert all(solution.totals[stat] <= cap + 1e-6 for stat, cap in caps.items())
+
+
+def _hard_problem(layers: int = 120, options: int = 54, seed: int = 0) -> tuple[SearchProblem, dict[str, float]]:
+    """Random scores and three independent random costs per option: CBC needs minutes to prove an optimum."""
+    rng = random.Random(seed)
+    groups = []
+    for layer in range(layers):
+        opts = []
+        for i in range(options):
+            m, r, p = rng.uniform(1, 100), rng.uniform(1, 100), rng.uniform(1, 100)
+            opts.append(Option(f"o{i}", rng.uniform(0, 10) - 0.03 * (m + r + p),
+                               {"memory_mib": m, "runtime_ms": r, "num_params": p}))
+        groups.append(Group(layer, "block", tuple(opts)))
+    caps = {stat: 30.0 * layers for stat in ("memory_mib", "runtime_ms", "num_params")}
+    return SearchProblem(groups), caps
+
+
+def test_time_limit_returns_a_feasible_unproven_solution_with_its_status():
+    problem, caps = _hard_problem()
+    solver = Solver.build(problem, time_limit_s=1.0)
+    with pytest.warns(SolverWarning, match="time limit; the solution may not be optimal"):
+        solution = solver.solve(caps)
+    assert solution.status == "feasible"
+    # The incumbent is a real architecture: one option per group, within every cap, honestly totalled.
+    assert len(solution.choices) == len(problem.layers)
+    assert solution.totals == pytest.approx(problem.totals(solution.picks))
+    assert solution.objective == pytest.approx(problem.objective(solution.picks))
+    assert all(solution.totals[stat] <= cap + 1e-6 for stat, cap in caps.items())
+    assert solution.to_dict()["status"] == "feasible"
+
+
+def test_write_lp_holds_the_objective_one_hot_rows_and_caps(tmp_path):
+    problem = _random_problem(4)
+    caps = {"memory_mib": _parent(problem)["memory_mib"] * 0.8}
+    solver = Solver.build(problem, prune_dominated=False)
+    path = solver.write_lp(tmp_path / "puzzle.lp", caps)
+    text = path.read_text()
+    # Binaries are named L<layer>_<kind>_<option> (these option names need no escaping).
+    names = {(g.layer, g.kind, o.name): f"L{g.layer}_{g.kind}_{o.name}" for g in problem.groups for o in g.options}
+    objective = _lp_terms(text.split("Subject To")[0].split(":", 1)[1])
+    for group in problem.groups:
+        for option in group.options:
+            var = names[(group.layer, group.kind, option.name)]
+            assert objective.get(var, 0.0) == pytest.approx(option.score, abs=1e-9)
+    cap_row = re.search(r"cap_memory_mib:(.*?)<= *([-+0-9.e]+)", text, re.S)
+    coefficients = _lp_terms(cap_row.group(1))
+    assert float(cap_row.group(2)) == pytest.approx(caps["memory_mib"] - problem.fixed_costs["memory_mib"])
+    for group in problem.groups:
+        for option in group.options:
+            assert coefficients[names[(group.layer, group.kind, option.name)]] == pytest.approx(
+                option.costs["memory_mib"])
+    assert text.count("one_L") == len(problem.groups)
+    # The file describes the model only: the solver still solves without the rows it wrote.
+    assert solver.solve({}).objective == pytest.approx(_brute_force(problem, {})[0], abs=1e-6)
+
+
+def _lp_terms(expression: str) -> dict[str, float]:
+    """`{variable: coefficient}` of a linear expression as PuLP's writeLP prints it."""
+    terms = {}
+    for sign, coefficient, name in re.findall(r"([-+]?)\s*([0-9.e+-]*)\s+([A-Za-z_][A-Za-z0-9_]*)",
+                                              " " + " ".join(expression.split())):
+        value = float(coefficient) if coefficient else 1.0
+        terms[name] = -value if sign == "-" else value
+    return terms

@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from mlxkit.engines.errors import InputError
-from mlxkit.engines.puzzle.hw_profile import HardwareProfile
+from mlxkit.engines.hardware.profile import HardwareProfile
 
 # Parameters the fit may move, with their bounds. Efficiencies are fitted in log space.
 FIT_PARAMS: dict[str, tuple[float, float]] = {

@@ -1,7 +1,7 @@
 """`mlx calibrate`: measure block variants on the local device and refit a hardware profile.
 
-Method (ModelOpt-style differencing, see the Puzzle brief §5)
--------------------------------------------------------------
+Method (ModelOpt-style differencing)
+------------------------------------
 For every distinct variant V of the search space a small random-weight model is built:
 one parent layer followed by `copies` layers that hold only V (an attention variant with a
 no-op FFN, or an FFN variant with no-op attention). A *base* model holds the parent layer
@@ -37,10 +37,11 @@ from mlxkit.engines.calibrate.timing import Timing, time_model
 from mlxkit.engines.core.atomic import atomic_write_text
 from mlxkit.engines.core.progress import Reporter
 from mlxkit.engines.errors import BackendError, InputError
-from mlxkit.engines.puzzle.costs import MIB, CostModel, Scenario
-from mlxkit.engines.puzzle.hw_profile import HardwareProfile, load_profile
-from mlxkit.engines.puzzle.variants import (AttentionVariant, BlockChoice, FFNVariant, ParentShape,
-                                            parent_attention, parent_ffn)
+from mlxkit.engines.hardware.costs import MIB, CostModel
+from mlxkit.engines.hardware.profile import HardwareProfile, load_profile
+from mlxkit.engines.hardware.scenario import DTYPE_BYTES, Scenario
+from mlxkit.engines.models.decilm.blocks import (AttentionVariant, BlockChoice, FFNVariant, ParentShape,
+                                                 parent_attention, parent_ffn)
 
 _TORCH_TO_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
@@ -316,7 +317,7 @@ def _fit_and_write(runs: list[_Run], parent: ParentShape, base: HardwareProfile,
     report["summary"]["fit_rms_log_error"] = fit.rms_log_error
     report.update(profile=str(out), device=device_name, date=today, model=settings.model)
     report_path = out.with_name(out.stem + ".report.json")
-    atomic_write_text(out, "# Written by `mlx calibrate` (see engines/puzzle/hw_profile.py for the fields).\n" +
+    atomic_write_text(out, "# Written by `mlx calibrate` (see engines/hardware/profile.py for the fields).\n" +
                       profile.to_yaml())
     atomic_write_text(report_path, json.dumps(report, indent=2) + "\n")
     return CalibrationResult(profile, out, report_path, report)
@@ -375,6 +376,4 @@ def _report(profile: HardwareProfile, parent: ParentShape, runs: list[_Run], set
 
 
 def _bytes(dtype: str) -> float:
-    from mlxkit.engines.puzzle.hw_profile import DTYPE_BYTES
-
     return DTYPE_BYTES[dtype]

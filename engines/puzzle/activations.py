@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from mlxkit.engines.core.atomic import atomic_file
 from mlxkit.engines.core.progress import Reporter
 
 
@@ -44,7 +45,8 @@ def cache_states(parent_model, train_ids: torch.Tensor, val_ids: torch.Tensor, r
     """Run the parent once over both splits and write one file per layer (skips if complete)."""
     reporter = reporter or Reporter()
     layers = parent_model.model.layers
-    if all(_layer_file(root, i).exists() for i in range(len(layers))):
+    # final.safetensors is written last, so it marks a complete cache.
+    if (root / "final.safetensors").exists() and all(_layer_file(root, i).exists() for i in range(len(layers))):
         return
     root.mkdir(parents=True, exist_ok=True)
     pos = position_embeddings(parent_model, train_ids.shape[1])
@@ -61,10 +63,10 @@ def cache_states(parent_model, train_ids: torch.Tensor, val_ids: torch.Tensor, r
                 outs.append(mid if delta is None else mid + delta)
             tensors[f"{split}_in"], tensors[f"{split}_mid"] = h, torch.cat(mids)
             states[split] = torch.cat(outs)
-        path = _layer_file(root, i)
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path) + ".partial")
-        Path(str(path) + ".partial").replace(path)
-    save_file({f"{s}_out": v.contiguous() for s, v in states.items()}, str(root / "final.safetensors"))
+        with atomic_file(_layer_file(root, i)) as tmp:
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+    with atomic_file(root / "final.safetensors") as tmp:
+        save_file({f"{s}_out": v.contiguous() for s, v in states.items()}, str(tmp))
 
 
 def load_layer(root: Path, layer: int, num_layers: int) -> LayerStates:

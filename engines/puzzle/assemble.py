@@ -8,10 +8,10 @@ import torch
 from safetensors.torch import load_file
 
 from mlxkit.engines.errors import InputError
+from mlxkit.engines.models.decilm.blocks import BlockChoice, ParentShape, parent_attention, parent_ffn
 from mlxkit.engines.models.decilm.convert import child_config
 from mlxkit.engines.models.decilm.modeling_mlx_decilm import MlxDeciLMForCausalLM
 from mlxkit.engines.puzzle.library import LibraryDir
-from mlxkit.engines.puzzle.variants import BlockChoice, ParentShape, parent_attention, parent_ffn
 
 _ATTENTION_PREFIXES = ("input_layernorm.", "self_attn.")
 _FFN_PREFIXES = ("post_attention_layernorm.", "mlp.")

@@ -9,10 +9,12 @@ states and is fitted to what the parent subblock adds to them, under the normali
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
 import torch
 
+from mlxkit.engines.puzzle.library_schema import TrainingInfo
 from mlxkit.engines.puzzle.recipe import BLDSpec
 from mlxkit.engines.puzzle.subblocks import Subblock
 
@@ -39,10 +41,16 @@ class TrainingRecord:
     seconds: float = 0.0
     reverted: bool = False
 
-    def to_dict(self) -> dict:
-        return {"steps": self.steps, "tokens": self.tokens, "val_nmse_init": self.val_nmse_before,
-                "val_nmse": self.val_nmse_after, "curve": self.curve, "seconds": round(self.seconds, 3),
-                "loss": "normalized_mse", "reverted_to_init": self.reverted}
+    def to_info(self) -> TrainingInfo:
+        """The record as stored in the library (NaN or infinite losses of a diverged run become null)."""
+        return TrainingInfo(steps=self.steps, tokens=self.tokens, val_nmse_init=_finite(self.val_nmse_before),
+                            val_nmse=_finite(self.val_nmse_after),
+                            curve=[(step, _finite(loss)) for step, loss in self.curve],
+                            seconds=round(self.seconds, 3), loss="normalized_mse", reverted_to_init=self.reverted)
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
 
 
 def train_subblock(block: Subblock, inputs: torch.Tensor, targets: torch.Tensor, val_inputs: torch.Tensor,
@@ -53,8 +61,6 @@ def train_subblock(block: Subblock, inputs: torch.Tensor, targets: torch.Tensor,
     training made the held-out error worse (tiny budgets can), the initial weights are
     restored: a library block is never worse than its initialisation on held-out data.
     """
-    import time
-
     start = time.perf_counter()
     before = held_out_nmse(block, val_inputs, val_targets, pos)
     n, seq_len = inputs.shape[:2]

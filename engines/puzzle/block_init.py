@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from mlxkit.engines.models.decilm.blocks import AttentionVariant, FFNVariant
 from mlxkit.engines.puzzle.subblocks import Subblock, SubblockKind
-from mlxkit.engines.puzzle.variants import AttentionVariant, FFNVariant
 
 RIDGE = 1e-6  # relative to the mean diagonal of X^T X; keeps the solve stable on rank-poor data
 

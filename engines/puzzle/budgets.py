@@ -3,7 +3,8 @@
 All MIP constraints are upper bounds on summed stats in the library's units: `memory_mib`,
 `runtime_ms` (one scenario, one batch), `num_params`. A throughput target becomes a
 runtime cap through the scenario's token count (`batch × (in + out)`, the NVlabs demo's
-convention, see `costs`); a multiple such as `2x` is taken against the parent's runtime.
+convention, see `engines/hardware/costs.py`); a multiple such as `2x` is taken against the
+parent's runtime. Memory sizes follow the one rule of `core.sizes`: a bare number is bytes.
 """
 
 from __future__ import annotations
@@ -12,12 +13,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from mlxkit.engines.core.sizes import parse_bytes
 from mlxkit.engines.errors import InputError
 
 _NUMBER = r"([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)"
-
-_MEMORY_UNITS = {"": 1.0, "b": 1.0 / 2**20, "kb": 1e3 / 2**20, "kib": 1.0 / 1024, "mb": 1e6 / 2**20, "mib": 1.0,
-                 "gb": 1e9 / 2**20, "gib": 1024.0, "tb": 1e12 / 2**20, "tib": 1024.0**2}
+MIB = float(1 << 20)
 _TIME_UNITS = {"": 1.0, "us": 1e-3, "µs": 1e-3, "ms": 1.0, "s": 1e3, "sec": 1e3, "min": 6e4}
 _COUNT_UNITS = {"": 1.0, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 
@@ -30,11 +30,11 @@ def _split(text: str, what: str, example: str) -> tuple[float, str]:
 
 
 def parse_memory_mib(text: str | float) -> float:
-    """`80GiB` → 81920.0 MiB. Bare numbers are MiB (the stats' unit); GB/MB are decimal."""
-    value, unit = _split(str(text), "memory", "80GiB, 40GB, 75000MiB")
-    if unit not in _MEMORY_UNITS:
-        raise InputError(f"unknown memory unit '{unit}' in '{text}' (use B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)")
-    return value * _MEMORY_UNITS[unit]
+    """A memory budget in MiB (the stats' unit): `80GiB` → 81920.0, `40GB` → 38146.97…, `1048576` → 1.0.
+
+    As everywhere in mlxkit (`core.sizes.parse_bytes`), a bare number is a count of bytes.
+    """
+    return parse_bytes(text, "memory") / MIB
 
 
 def parse_time_ms(text: str | float) -> float:

@@ -5,7 +5,13 @@ Stages (each skips what a previous, killed run already finished):
   2. the parent's activations at every subblock boundary (cached once, by rank 0);
   3. BLD: initialise and train every non-trivial (layer, variant) subblock; ranks share the work;
   4. replace-1-block scoring of every variant on held-out tokens; ranks share the work;
-  5. `library.json` with provenance, training curves, metrics and (optionally) cost stats.
+  5. `library.json` (a `BlockLibrary`) with provenance, training curves and metrics.
+
+The library stores no costs: they depend on the target and the deployment scenario, and
+`mlx search` prices every variant for the one it is asked about.
+
+`ensure_library` is the build-if-missing entry `mlx search` uses: one cached library per
+(parent, recipe) under `MLXKIT_CACHE/libraries/`.
 """
 
 from __future__ import annotations
@@ -20,22 +26,32 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 
+from mlxkit.engines.core.atomic import atomic_file
 from mlxkit.engines.core.distributed import Distributed
 from mlxkit.engines.core.manifest import Manifest, content_hash
+from mlxkit.engines.core.paths import cache_dir
 from mlxkit.engines.core.progress import Reporter
+from mlxkit.engines.core.seeds import derive_seed
+from mlxkit.engines.data.sampled import model_fingerprint
 from mlxkit.engines.errors import InputError
+from mlxkit.engines.models.decilm.blocks import AttentionVariant, FFNVariant, ParentShape, parent_attention, parent_ffn
 from mlxkit.engines.models.decilm.convert import from_parent
 from mlxkit.engines.models.loading import load_model
 from mlxkit.engines.puzzle import activations
 from mlxkit.engines.puzzle.block_init import initialise
 from mlxkit.engines.puzzle.bld import train_subblock
-from mlxkit.engines.puzzle.library import LIBRARY_FORMAT, LIBRARY_VERSION, LibraryDir, read_library
-from mlxkit.engines.puzzle.recipe import PuzzleRecipe
+from mlxkit.engines.puzzle.library import LibraryDir, read_library, write_library
+from mlxkit.engines.puzzle.library_schema import BlockLibrary, BlockRecord, LayerEntry, ParentInfo, RunKey
+from mlxkit.engines.puzzle.recipe import PuzzleRecipe, load_recipe
 from mlxkit.engines.puzzle.scoring import ParentTail, parent_metrics, score_subblock
 from mlxkit.engines.puzzle.search_space import SearchSpace, build_search_space
-from mlxkit.engines.puzzle.subblocks import parent_subblock
-from mlxkit.engines.puzzle.variants import ParentShape, parent_attention, parent_ffn
+from mlxkit.engines.puzzle.subblocks import SubblockKind, parent_subblock
+
+# How each block's training seed is derived from the run seed; part of the run key, so a
+# directory started under another rule is never resumed with this one.
+BLOCK_SEED_RULE = "derive_seed(seed, layer, kind, variant)"
 
 
 @dataclass(frozen=True)
@@ -55,8 +71,8 @@ class DistillOptions:
 @dataclass(frozen=True)
 class Unit:
     layer: int
-    kind: str
-    variant: Any
+    kind: SubblockKind
+    variant: AttentionVariant | FFNVariant
 
     @property
     def label(self) -> str:
@@ -71,10 +87,10 @@ def run_distill(options: DistillOptions, reporter: Reporter | None = None) -> di
     try:
         library = LibraryDir(options.out)
         if options.score_only:
-            read_library(options.out)  # must exist
+            read_library(options.out)  # must exist and validate
         parent, tokenizer, source = _load_parent(options, reporter)
         space = build_search_space(ParentShape.from_config(parent.config), options.recipe.search_space)
-        _check_or_write_state(library, options, parent, dist)
+        key = _check_or_write_state(library, options, parent, dist)
         train_ids, val_ids = _calibration_tokens(options, parent, tokenizer, library, dist, reporter)
         states_dir = library.work / "activations"
         if dist.is_main:
@@ -88,9 +104,9 @@ def run_distill(options: DistillOptions, reporter: Reporter | None = None) -> di
         dist.barrier()
         summary: dict[str, Any] = {}
         if dist.is_main:
-            index = _write_index(parent, space, library, options, source, started)
+            index = _write_index(parent, space, library, options, source, started, key)
             summary = summarise(index)
-            summary["library"] = str(library.root / "library.json")
+            summary["library"] = str(library.index_file)
             summary["wall_time_s"] = round(time.time() - started, 1)
         return summary
     finally:
@@ -107,34 +123,43 @@ def _load_parent(options: DistillOptions, reporter: Reporter):
     return parent, loaded.tokenizer, loaded.source
 
 
-def _run_key(options: DistillOptions, parent) -> dict[str, Any]:
-    from mlxkit.engines.data.sampled import _model_fingerprint
-
+def _run_key(options: DistillOptions, parent) -> RunKey:
     data = {"spec": str(options.data), "hash": content_hash(options.data)} if options.data else "sampled"
-    return {"parent": _model_fingerprint(parent), "data": data, "seed": options.seed,
-            "data_settings": options.recipe.data.model_dump(), "train": options.train,
-            "bld": options.recipe.bld.model_dump(), "search_space": options.recipe.search_space.model_dump()}
+    return RunKey(parent=model_fingerprint(parent), data=data, seed=options.seed, data_settings=options.recipe.data,
+                  train=options.train, bld=options.recipe.bld, search_space=options.recipe.search_space,
+                  block_seed=BLOCK_SEED_RULE)
 
 
-def _check_or_write_state(library: LibraryDir, options: DistillOptions, parent, dist: Distributed) -> None:
-    """A library directory holds one run: resuming with other inputs would mix blocks silently."""
-    state_file = library.work / "run.json"
+def _check_or_write_state(library: LibraryDir, options: DistillOptions, parent, dist: Distributed) -> RunKey | None:
+    """A library directory holds one run: resuming with other inputs would mix blocks silently.
+
+    Returns the key the directory's blocks were built under (None when an older mlxkit wrote
+    it in another layout), which is what `library.json` records.
+    """
     key = _run_key(options, parent)
-    if state_file.exists():
-        previous = json.loads(state_file.read_text())
-        changed = sorted(k for k in key if previous.get(k) != key[k] and not (options.score_only and k in ("train",)))
+    previous = library.read_run_key()
+    if previous is not None:
+        current = key.model_dump(mode="json")
+        # Rescoring reads the blocks as they are: how they were trained or seeded does not matter.
+        exempt = ("train", "block_seed") if options.score_only else ()
+        changed = sorted(k for k in current if previous.get(k) != current[k] and k not in exempt)
         if changed:
             raise InputError(f"'{library.root}' holds a library built with other settings ({', '.join(changed)}); "
                              "use another --out, or delete it to start over")
+        dist.barrier()
+        try:  # the stored key, not this run's: --score-only does not know how the blocks were trained
+            return RunKey.model_validate(previous)
+        except ValidationError:
+            return None
     elif options.score_only:
         raise InputError(f"'{library.root}' has no record of how it was built; rebuild it without --score-only")
     elif dist.is_main:
-        if (library.root / "library.json").exists() or (library.root.exists() and any(library.root.iterdir())
-                                                         and not library.work.exists()):
+        if library.index_file.exists() or (library.root.exists() and any(library.root.iterdir())
+                                           and not library.work.exists()):
             raise InputError(f"'{library.root}' exists and is not an unfinished mlxkit library; use another --out")
-        library.work.mkdir(parents=True, exist_ok=True)
-        (library.work / "run.json").write_text(json.dumps(key, indent=1))
+        library.write_run_key(key)
     dist.barrier()
+    return key
 
 
 def _calibration_tokens(options: DistillOptions, parent, tokenizer, library: LibraryDir, dist: Distributed,
@@ -160,8 +185,8 @@ def _calibration_tokens(options: DistillOptions, parent, tokenizer, library: Lib
             blocks = sample_tokens(parent, tokenizer, n_sequences=n_total, seq_len=spec.seq_len, seed=options.seed,
                                    reporter=reporter)
             train, val = blocks[spec.score_sequences:], blocks[:spec.score_sequences]
-        torch.save({"train": train, "val": val}, str(path) + ".partial")
-        Path(str(path) + ".partial").replace(path)
+        with atomic_file(path) as tmp:
+            torch.save({"train": train, "val": val}, tmp)
     dist.barrier()
     tokens = torch.load(path, weights_only=True)
     return tokens["train"], tokens["val"]
@@ -201,13 +226,15 @@ def _build_blocks(parent, space: SearchSpace, library: LibraryDir, options: Dist
             source = parent_subblock(parent, unit.layer, unit.kind)
             block = initialise(source, unit.variant, parent.config, unit.layer, x, y)
             train = options.train and (unit.variant.kind != "linear" or spec.train_linear)
-            seed = options.seed * 1_000_003 + unit.layer * 101 + int(_digest(unit.kind + unit.variant.name), 16) % 997
+            # A hash of every part, so no two blocks share a seed and each block's seed is the
+            # same whichever rank trains it, in whatever order.
+            seed = derive_seed(options.seed, unit.layer, unit.kind, unit.variant.name)
             torch.manual_seed(seed)
             record = train_subblock(block, x, y, vx, vy, pos, spec if train else spec.model_copy(
                 update={"tokens_per_block": 0}), seed=seed)
-            library.save_block(block, {"variant": asdict(unit.variant), "layer": unit.layer, "kind": unit.kind,
-                                       "init": _init_name(unit), "trained": record.steps > 0,
-                                       "training": record.to_dict()})
+            library.save_block(block, BlockRecord(layer=unit.layer, kind=unit.kind, variant=asdict(unit.variant),
+                                                  init=_init_name(unit), trained=record.steps > 0,
+                                                  training=record.to_info()))
             task.advance()
             task.update(last=unit.label, nmse=record.val_nmse_after)
 
@@ -254,93 +281,89 @@ def _score(parent, space: SearchSpace, library: LibraryDir, val_ids: torch.Tenso
 
 
 def _write_index(parent, space: SearchSpace, library: LibraryDir, options: DistillOptions, source,
-                 started: float) -> dict[str, Any]:
+                 started: float, key: RunKey | None) -> BlockLibrary:
     shape = space.parent
+    # The parent's own variants carry the parent's metrics against itself, as scored (KL 0,
+    # agreement 1, and its own LM loss); None when scoring was skipped.
     parent_scores = library.read_score(-1, "parent", "parent")
     layers = []
     for layer in range(shape.num_layers):
-        entry: dict[str, Any] = {"layer": layer, "attention": {}, "ffn": {}}
+        entry: dict[str, dict[str, Any]] = {"attention": {}, "ffn": {}}
         for kind, variants, parent_variant in (("attention", space.attention, parent_attention(shape)),
                                                 ("ffn", space.ffn, parent_ffn(shape))):
             for variant in variants:
                 name = variant.name
-                item: dict[str, Any] = {"variant": asdict(variant)}
+                item: dict[str, Any] = {"variant": variant}
                 if variant == parent_variant:
-                    item.update(file=None, source="parent",
-                                metrics={**(parent_scores or {}), "kl_div": 0.0, "top1_agreement": 1.0})
-                elif variant.kind == "no_op":
-                    item.update(file=None, source="no_op")
-                else:
-                    record = library.read_record(layer, kind, name) if library.has_block(layer, kind, name) else None
+                    item.update(source="parent", metrics=parent_scores)
+                    entry[kind][name] = item
+                    continue
+                if variant.kind == "no_op":
+                    item.update(source="no_op")
+                elif library.has_block(layer, kind, name):
+                    record = library.read_record(layer, kind, name)
                     item.update(file=str(library.block_file(layer, kind, name).relative_to(library.root)),
-                                source="bld" if record and record.get("trained") else "init",
-                                init=record and record.get("init"), training=record and record.get("training"))
-                if variant != parent_variant:
-                    metrics = library.read_score(layer, kind, name)
-                    if metrics is not None:
-                        item["metrics"] = metrics
+                                source="bld" if record.trained else "init", init=record.init,
+                                training=record.training)
+                item.update(metrics=library.read_score(layer, kind, name))
                 entry[kind][name] = item
-        layers.append(entry)
+        layers.append(LayerEntry(layer=layer, **entry))
+    config = parent.config.to_dict() if hasattr(parent.config, "to_dict") else None
+    index = BlockLibrary(
+        parent=ParentInfo(spec=options.model, shape=shape,
+                          config=json.loads(json.dumps(config, default=str)) if config is not None else None),
+        recipe=options.recipe, run_key=key,
+        calibration="sampled from the parent" if options.data is None else str(options.data),
+        seed=options.seed, layers=layers)
     manifest = Manifest(verb="distill", started=started)
     manifest.add_input("parent", options.model, source.path)
     if options.data:
         manifest.add_input("data", str(options.data), options.data)
     manifest.seeds = {"seed": options.seed}
     manifest.settings = {"recipe": options.recipe.model_dump(), "train": options.train}
-    index = {
-        "format": LIBRARY_FORMAT, "version": LIBRARY_VERSION,
-        "parent": {"spec": options.model, "shape": asdict(shape),
-                   "config": parent.config.to_dict() if hasattr(parent.config, "to_dict") else None},
-        "recipe": options.recipe.model_dump(),
-        "calibration": "sampled from the parent" if options.data is None else str(options.data),
-        "seed": options.seed,
-        "layers": layers,
-    }
-    _price_for_default_target(index)
-    summary = summarise(index)
-    manifest.results = {k: v for k, v in summary.items() if k != "per_layer"}
-    library.write_index(index)
+    manifest.results = {k: v for k, v in summarise(index).items() if k != "per_layer"}
+    write_library(library.root, index)
     manifest.write(library.root)
     return index
 
 
-def _price_for_default_target(index: dict[str, Any]) -> None:
-    """Predicted stats of every variant (NVlabs/puzzle vocabulary) on the default target and scenario.
-
-    `mlx search` re-prices for its own target; these make the library comparable as written.
-    """
-    from mlxkit.engines.puzzle.hw_profile import load_profile
-    from mlxkit.engines.puzzle.library_pricing import price_library
-    from mlxkit.engines.puzzle.search import default_scenario
-
-    profile = load_profile("h100")
-    price_library(index, profile, default_scenario(profile, None))
-
-
-def summarise(index: dict[str, Any]) -> dict[str, Any]:
-    """Per-layer best scores and the library-wide median KL of non-trivial variants."""
+def summarise(library: BlockLibrary) -> dict[str, Any]:
+    """Per-layer scores and the library-wide median KL of non-trivial (trained or initialised) variants."""
     per_layer, kls, trained = [], [], 0
-    for entry in index["layers"]:
-        row: dict[str, Any] = {"layer": entry["layer"]}
+    for layer in library.layers:
+        row: dict[str, Any] = {"layer": layer.layer}
         for kind in ("attention", "ffn"):
-            row[kind] = {name: item.get("metrics", {}).get("kl_div") for name, item in entry[kind].items()}
-            for item in entry[kind].values():
-                if item.get("source") in ("bld", "init") and "metrics" in item:
-                    kls.append(item["metrics"]["kl_div"])
-                trained += item.get("source") == "bld"
+            entries = layer.entries(kind)
+            row[kind] = {name: (item.metrics or {}).get("kl_div") for name, item in entries.items()}
+            for item in entries.values():
+                if item.source in ("bld", "init") and item.metrics and "kl_div" in item.metrics:
+                    kls.append(item.metrics["kl_div"])
+                trained += item.source == "bld"
         per_layer.append(row)
     return {"layers": len(per_layer), "variants_scored": len(kls), "subblocks_trained": trained,
             "median_kl_nontrivial": statistics.median(kls) if kls else None, "per_layer": per_layer}
 
 
-def _digest(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
-
-
 def default_library_dir(model: str, recipe: str) -> Path:
-    from mlxkit.engines.core.paths import cache_dir
-
+    """Where `mlx search` caches the library of (model, recipe): keyed by the model and the recipe."""
     model_key = os.path.abspath(model) if os.path.exists(model) else model
     if recipe.endswith((".yaml", ".yml")):  # a user's recipe file: keyed by its path, named by its stem
         return cache_dir() / "libraries" / f"{_digest(model_key + '|' + os.path.abspath(recipe))}-{Path(recipe).stem}"
     return cache_dir() / "libraries" / f"{_digest(model_key)}-{recipe}"
+
+
+def ensure_library(model: str, recipe: str, *, data: Path | None = None, seed: int = 0, allow_pickle: bool = False,
+                   reporter: Reporter | None = None) -> Path:
+    """The cached library directory of (model, recipe), built and scored first if it has no index yet."""
+    reporter = reporter or Reporter()
+    path = default_library_dir(model, recipe)
+    if not LibraryDir(path).index_file.exists():
+        reporter.notice(f"building the '{recipe}' block library for {model} at {path} "
+                        "(resumable; reused by later searches)")
+        run_distill(DistillOptions(model=model, out=path, recipe=load_recipe(recipe), data=data, seed=seed,
+                                   allow_pickle=allow_pickle), reporter)
+    return path
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:12]

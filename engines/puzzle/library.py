@@ -1,39 +1,38 @@
 """The block library on disk: one safetensors file per trained subblock, plus `library.json`.
 
-Every block and every score is its own file, written atomically, with a JSON sidecar
-written last as the completion mark. A killed run therefore restarts where it stopped,
-finished blocks are never retrained, and ranks of a distributed run never write the
-same file.
+This is the one module that reads and writes a library directory. Every block and every
+score is its own file, written atomically, with a JSON sidecar written last as the
+completion mark. A killed run therefore restarts where it stopped, finished blocks are
+never retrained, and ranks of a distributed run never write the same file.
 
-`library.json` layout (format "mlxkit.block_library", version 1)::
+    blocks/layer000.attention.kv1.safetensors   the trained (or initialised) subblock
+    blocks/layer000.attention.kv1.json          its `BlockRecord` (written last)
+    scores/layer000.attention.kv1.json          its replace-1-block metrics
+    .work/run.json                              the `RunKey` the directory was started with
+    library.json                                the `BlockLibrary` index (written at the end)
 
-    {"parent": {"spec", "hash", "shape"}, "recipe": {...},
-     "layers": [{"layer": 0,
-                 "attention": {"kv3": {"variant", "file", "source", "training", "metrics", "stats"}, ...},
-                 "ffn": {...}}, ...]}
+`read_library` also reads the public NVlabs/puzzle demo format, converted into the same
+typed `BlockLibrary` (see `nvlabs_library`).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from safetensors.torch import load_file, save_file
 
-from mlxkit.engines.core.atomic import atomic_write_text
+from mlxkit.engines.core.atomic import atomic_file, atomic_write_json
+from mlxkit.engines.core.yaml_config import validate_model
 from mlxkit.engines.errors import InputError
+from mlxkit.engines.models.decilm.blocks import AttentionVariant, FFNVariant
+from mlxkit.engines.puzzle.library_schema import (LIBRARY_FORMAT, LIBRARY_VERSION, BlockLibrary, BlockRecord, Metrics,
+                                                  RunKey)
+from mlxkit.engines.puzzle.nvlabs_library import from_nvlabs, is_nvlabs_library
 from mlxkit.engines.puzzle.subblocks import Subblock, SubblockKind
-from mlxkit.engines.puzzle.variants import AttentionVariant, FFNVariant
 
-LIBRARY_FORMAT = "mlxkit.block_library"
-LIBRARY_VERSION = 1
 INDEX_NAME = "library.json"
-
-
-def variant_from_dict(kind: SubblockKind, data: dict[str, Any]) -> AttentionVariant | FFNVariant:
-    return AttentionVariant(**data) if kind == "attention" else FFNVariant(**data)
 
 
 class LibraryDir:
@@ -45,6 +44,14 @@ class LibraryDir:
         self.scores = self.root / "scores"
         self.work = self.root / ".work"
 
+    @property
+    def index_file(self) -> Path:
+        return self.root / INDEX_NAME
+
+    @property
+    def run_key_file(self) -> Path:
+        return self.work / "run.json"
+
     def _stem(self, layer: int, kind: str, name: str) -> str:
         return f"layer{layer:03d}.{kind}.{name}"
 
@@ -54,21 +61,21 @@ class LibraryDir:
     def block_record(self, layer: int, kind: str, name: str) -> Path:
         return self.blocks / f"{self._stem(layer, kind, name)}.json"
 
-    def score_record(self, layer: int, kind: str, name: str, tag: str = "") -> Path:
-        return self.scores / f"{self._stem(layer, kind, name)}{tag}.json"
+    def score_record(self, layer: int, kind: str, name: str) -> Path:
+        return self.scores / f"{self._stem(layer, kind, name)}.json"
+
+    # ---- blocks
 
     def has_block(self, layer: int, kind: str, name: str) -> bool:
         return self.block_record(layer, kind, name).exists() and self.block_file(layer, kind, name).exists()
 
-    def save_block(self, block: Subblock, record: dict[str, Any]) -> None:
+    def save_block(self, block: Subblock, record: BlockRecord) -> None:
+        """Write the block's tensors, then its record (the completion mark)."""
         name = block.variant.name
-        path = self.block_file(block.layer_idx, block.kind, name)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(".partial")
-        save_file(block.weights(), str(partial), metadata={"layer": str(block.layer_idx), "kind": block.kind,
+        with atomic_file(self.block_file(block.layer_idx, block.kind, name)) as tmp:
+            save_file(block.weights(), str(tmp), metadata={"layer": str(block.layer_idx), "kind": block.kind,
                                                           "variant": name})
-        partial.replace(path)
-        atomic_write_text(self.block_record(block.layer_idx, block.kind, name), json.dumps(record, indent=1))
+        atomic_write_json(self.block_record(block.layer_idx, block.kind, name), record.model_dump(mode="json"))
 
     def load_block(self, parent_config, layer: int, kind: SubblockKind,
                    variant: AttentionVariant | FFNVariant) -> Subblock:
@@ -80,40 +87,62 @@ class LibraryDir:
             block.layer.load_state_dict(load_file(str(path)), strict=True)
         return block.eval()
 
-    def read_record(self, layer: int, kind: str, name: str) -> dict[str, Any]:
-        return json.loads(self.block_record(layer, kind, name).read_text())
+    def read_record(self, layer: int, kind: str, name: str) -> BlockRecord:
+        path = self.block_record(layer, kind, name)
+        return validate_model(BlockRecord, _read_json(path), str(path))
 
-    def save_score(self, layer: int, kind: str, name: str, metrics: dict[str, float], tag: str = "") -> None:
-        path = self.score_record(layer, kind, name, tag)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, json.dumps(metrics))
+    # ---- scores
 
-    def read_score(self, layer: int, kind: str, name: str, tag: str = "") -> dict[str, float] | None:
-        path = self.score_record(layer, kind, name, tag)
-        return json.loads(path.read_text()) if path.exists() else None
+    def save_score(self, layer: int, kind: str, name: str, metrics: Metrics) -> None:
+        atomic_write_json(self.score_record(layer, kind, name), metrics)
 
-    def write_index(self, index: dict[str, Any]) -> Path:
-        path = self.root / INDEX_NAME
-        atomic_write_text(path, json.dumps(index, indent=1, default=_jsonable) + "\n")
-        return path
+    def read_score(self, layer: int, kind: str, name: str) -> Metrics | None:
+        path = self.score_record(layer, kind, name)
+        return _read_json(path) if path.exists() else None
+
+    # ---- the run key
+
+    def read_run_key(self) -> dict[str, Any] | None:
+        """The raw run key this directory was started with (raw: an older mlxkit may have written it)."""
+        return _read_json(self.run_key_file) if self.run_key_file.exists() else None
+
+    def write_run_key(self, key: RunKey) -> None:
+        atomic_write_json(self.run_key_file, key.model_dump(mode="json"))
 
 
-def read_library(path: str | Path) -> dict[str, Any]:
-    """`library.json` from a library directory or the file itself, checked for our format."""
+def write_library(root: str | Path, library: BlockLibrary) -> Path:
+    """Write `library.json` into the library directory `root` (atomically)."""
+    path = LibraryDir(root).index_file
+    atomic_write_json(path, library.model_dump(mode="json", exclude_none=True))
+    return path
+
+
+def read_library(path: str | Path) -> BlockLibrary:
+    """The block library at `path` (a library directory or its JSON file), in either format.
+
+    Raises
+    ------
+    InputError
+        No such file, not JSON, neither format, an unknown format version, or a library
+        that does not validate (missing layers or subblocks, NaN scores, negative costs, ...).
+    """
     path = Path(path)
     file = path / INDEX_NAME if path.is_dir() else path
     if not file.exists():
         raise InputError(f"no block library at '{path}' (expected {INDEX_NAME})")
+    data = _read_json(file)
+    if isinstance(data, dict) and data.get("format") == LIBRARY_FORMAT:
+        if data.get("version") != LIBRARY_VERSION:
+            raise InputError(f"block library '{file}' has format version {data.get('version')!r}; "
+                             f"this mlxkit reads version {LIBRARY_VERSION}")
+        return validate_model(BlockLibrary, data, f"block library '{file}'")
+    if is_nvlabs_library(data):
+        return from_nvlabs(data, str(file))
+    raise InputError(f"'{file}' is neither an mlxkit block library nor an NVlabs/puzzle demo library")
+
+
+def _read_json(path: Path) -> Any:
     try:
-        data = json.loads(file.read_text())
+        return json.loads(path.read_text())
     except json.JSONDecodeError as exc:
-        raise InputError(f"block library '{file}' is not valid JSON ({exc.msg})") from None
-    if data.get("format") != LIBRARY_FORMAT:
-        raise InputError(f"'{file}' is not an mlxkit block library")
-    return data
-
-
-def _jsonable(value: Any) -> Any:
-    if hasattr(value, "__dataclass_fields__"):
-        return asdict(value)
-    return str(value)
+        raise InputError(f"'{path}' is not valid JSON ({exc.msg}, line {exc.lineno})") from None

@@ -11,29 +11,39 @@ constant added to every total.
     subject to Σ_j x_gj = 1            for every group g
                fixed[s] + Σ cost_s · x ≤ cap_s   for every constrained stat s
 
-Build once, solve many (STYLE §4): `Solver.build(problem)` creates the binaries, the
-one-hot rows and the objective; `.solve(caps)` adds the cap rows, solves and removes them,
-so a budget sweep or a batch sweep reuses the model.
+Build once, solve many: `Solver.build(problem)` creates the binaries, the one-hot rows and
+the objective once; `.solve(caps)` adds the cap rows, solves and drops them again, so a
+budget sweep or a batch sweep reuses the model. `.write_lp(path, caps)` writes the model
+with its cap rows in the LP file format, for inspection or another solver.
 
 Errors and warnings: caps that no architecture can meet raise `InfeasibleError` naming the
 best value each cap's stat can reach on its own; a time-limited solve returns its incumbent
-with `status="feasible"` and emits `SolverWarning`.
+with `status="feasible"` and emits `SolverWarning`; a time limit reached before any
+solution was found raises `BackendError` (nothing is known about feasibility then).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import os
+import re
 import time
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+from mlxkit.engines.core.atomic import atomic_file
 from mlxkit.engines.errors import BackendError, InfeasibleError, InputError
 
 
 class SolverWarning(UserWarning):
     """A solve stopped early (time limit) or returned fewer diverse solutions than asked for."""
+
+
+class _NoSolutionInTime(Exception):
+    """CBC hit its time limit before finding any solution (internal: mapped to BackendError or a warning)."""
 
 
 @contextlib.contextmanager
@@ -185,13 +195,14 @@ class Solver:
                gap: float | None, prune_dominated: bool) -> "Solver":
         model = pulp.LpProblem("puzzle", pulp.LpMaximize if problem.bigger_is_better else pulp.LpMinimize)
         x: dict[tuple[int, int], Any] = {}
+        used: set[str] = set()
         for gi, group in enumerate(problem.groups):
             # Dominated options (another option scores no worse and costs no more on every stat)
             # never appear in an optimum; leaving them out shrinks CBC's search several-fold.
             keep = _undominated(group, problem.bigger_is_better) if prune_dominated else range(len(group.options))
             for oi in keep:
-                x[(gi, oi)] = pulp.LpVariable(f"x_{gi}_{oi}", cat=pulp.LpBinary)
-            model += (pulp.lpSum(x[(gi, oi)] for oi in keep) == 1, f"one_{gi}")
+                x[(gi, oi)] = pulp.LpVariable(_variable_name(group, oi, used), cat=pulp.LpBinary)
+            model += (pulp.lpSum(x[(gi, oi)] for oi in keep) == 1, f"one_L{group.layer}_{group.kind}")
         model += pulp.LpAffineExpression([(var, problem.groups[gi].options[oi].score) for (gi, oi), var in x.items()])
         return cls(problem, model, x, time_limit_s, threads, gap)
 
@@ -199,6 +210,20 @@ class Solver:
     def num_binaries(self) -> int:
         """Binaries in the model (options left after pruning dominated ones)."""
         return len(self._x)
+
+    def write_lp(self, path: str | os.PathLike, caps: Mapping[str, float]) -> Path:
+        """Write the model with the cap rows for `caps` in the LP file format (PuLP's `writeLP`).
+
+        Variables are named `L<layer>_<kind>_<option>`; one-hot rows `one_L<layer>_<kind>`;
+        cap rows `cap_<stat>`, whose right-hand side is the cap minus the fixed (non-block) cost.
+        """
+        self._check_cap_values(caps)
+        path = Path(path)
+        with _quiet_pulp(), self._working_copy():
+            self._add_cap_rows(caps)
+            with atomic_file(path) as tmp:
+                self._model.writeLP(str(tmp))
+        return path
 
     # ---- public solves
 
@@ -230,7 +255,13 @@ class Solver:
         with _quiet_pulp(), self._working_copy():
             self._add_cap_rows(caps)
             for index in range(k):
-                solution = self._solve_once(time_limit_s)
+                try:
+                    solution = self._solve_once(time_limit_s)
+                except _NoSolutionInTime as exc:
+                    if index == 0:
+                        raise BackendError(str(exc)) from None
+                    warnings.warn(f"only {index} of {k} diverse solutions: {exc}", SolverWarning, stacklevel=2)
+                    break
                 if solution is None:
                     if index == 0:
                         raise InfeasibleError(self._infeasible_message(caps, joint=True))
@@ -245,14 +276,17 @@ class Solver:
     # ---- internals
 
     def _check_caps(self, caps: Mapping[str, float]) -> None:
+        self._check_cap_values(caps)
+        if any(self.problem.reachable(stat) > bound for stat, bound in caps.items()):
+            raise InfeasibleError(self._infeasible_message(caps, joint=False))
+
+    def _check_cap_values(self, caps: Mapping[str, float]) -> None:
         for stat, bound in caps.items():
             if not isinstance(bound, (int, float)) or math.isnan(bound):
                 raise InputError(f"cap on {stat} must be a number (got {bound!r})")
             if not any(stat in o.costs for g in self.problem.groups for o in g.options) and stat not in self.problem.fixed_costs:
                 raise InputError(f"no option has a '{stat}' stat, so it cannot be capped; "
                                  f"known stats: {', '.join(sorted(self._known_stats()))}")
-        if any(self.problem.reachable(stat) > bound for stat, bound in caps.items()):
-            raise InfeasibleError(self._infeasible_message(caps, joint=False))
 
     def _known_stats(self) -> set[str]:
         return {s for g in self.problem.groups for o in g.options for s in o.costs} | set(self.problem.fixed_costs)
@@ -264,7 +298,7 @@ class Solver:
             terms = [(var, self.problem.groups[gi].options[oi].costs.get(stat, 0.0))
                      for (gi, oi), var in self._x.items() if self.problem.groups[gi].options[oi].costs.get(stat, 0.0)]
             rhs = bound - self.problem.fixed_costs.get(stat, 0.0)
-            self._add_row(pulp.LpAffineExpression(terms) <= rhs, "cap")
+            self._model += (pulp.LpAffineExpression(terms) <= rhs, f"cap_{_safe(stat)}")
 
     def _add_diversity_row(self, solution: Solution, max_same: int) -> None:
         """Σ_layers same_i ≤ L − d, where same_i = 1 iff every group of layer i repeats its pick."""
@@ -321,11 +355,13 @@ class Solver:
             raise BackendError(f"CBC failed: {exc}") from exc
         elapsed = time.perf_counter() - start
         sol_status = getattr(self._model, "sol_status", None)
-        if self._model.status == pulp.LpStatusInfeasible or sol_status in (pulp.LpSolutionInfeasible,
-                                                                           pulp.LpSolutionNoSolutionFound):
-            return None
-        if self._model.status != pulp.LpStatusOptimal:
-            return None
+        if self._model.status == pulp.LpStatusInfeasible or sol_status == pulp.LpSolutionInfeasible:
+            return None  # proven: no architecture meets the rows
+        if self._model.status != pulp.LpStatusOptimal or sol_status == pulp.LpSolutionNoSolutionFound:
+            # CBC stopped (time limit) before any incumbent: neither a solution nor a proof of infeasibility.
+            within = f"within the {limit:g} s time limit" if limit else "before it stopped"
+            raise _NoSolutionInTime(f"CBC found no architecture {within}, and did not prove that none exists; "
+                                    "allow the solver more time")
         picks: dict[tuple[int, str], str] = {}
         for gi, g in enumerate(self.problem.groups):
             values = {oi: (self._x[(gi, oi)].value() or 0.0) for oi in range(len(g.options)) if (gi, oi) in self._x}
@@ -333,8 +369,8 @@ class Solver:
             picks[(g.layer, g.kind)] = g.options[best].name
         status = "optimal" if sol_status in (None, pulp.LpSolutionOptimal) else "feasible"
         if status == "feasible":
-            warnings.warn(f"CBC stopped at the {limit:g} s time limit; the solution may not be optimal",
-                          SolverWarning, stacklevel=3)
+            stopped = f"at the {limit:g} s time limit" if limit else "early (optimality gap)"
+            warnings.warn(f"CBC stopped {stopped}; the solution may not be optimal", SolverWarning, stacklevel=3)
         choices = []
         for layer in self.problem.layers:
             entry: dict[str, Any] = {"layer": layer}
@@ -447,6 +483,20 @@ def _undominated(group: Group, bigger_is_better: bool) -> list[int]:
         if not dominated:
             keep.append(i)
     return keep
+
+
+def _safe(text: str) -> str:
+    """`text` with every character LP files do not allow in names replaced by `_`."""
+    return re.sub(r"[^A-Za-z0-9_]", "_", text)
+
+
+def _variable_name(group: Group, index: int, used: set[str]) -> str:
+    """`L<layer>_<kind>_<option>`, made unique when two option names differ only in unsafe characters."""
+    name = f"L{group.layer}_{group.kind}_{_safe(group.options[index].name)}"
+    if name in used:
+        name = f"{name}_{index}"
+    used.add(name)
+    return name
 
 
 def _option(group: Group, name: str) -> Option:

@@ -1,4 +1,4 @@
-"""Read block libraries in the public NVlabs/puzzle demo JSON format.
+"""Convert block libraries in the public NVlabs/puzzle demo JSON format into the typed schema.
 
 Layout (as shipped in NVlabs/puzzle `examples/data/<model>/block_library.json`)::
 
@@ -9,20 +9,22 @@ Layout (as shipped in NVlabs/puzzle `examples/data/<model>/block_library.json`):
                  ...},
      "layer_1": {...}}
 
-Each variant is a whole block (attention and FFN together), so the MIP gets one group per
-layer. The demo's stats were measured on an H100 (batch 256, 1200 tokens, FP8) and have no
-non-block part.
+Each variant is a whole block (attention and FFN together), scored and measured as one, so
+it becomes a `blocks` entry of the typed library and the MIP gets one group per layer. The
+demo's stats were measured on an H100 (batch 256, 1200 tokens, FP8) and have no non-block
+part.
 """
 
 from __future__ import annotations
 
-import json
 import re
-from pathlib import Path
+from dataclasses import asdict
 from typing import Any, Mapping
 
+from mlxkit.engines.core.yaml_config import validate_model
 from mlxkit.engines.errors import InputError
-from mlxkit.engines.puzzle.variants import AttentionVariant, BlockChoice, FFNVariant
+from mlxkit.engines.models.decilm.blocks import AttentionVariant, BlockChoice, FFNVariant
+from mlxkit.engines.puzzle.library_schema import BlockLibrary
 
 _LAYER_KEY = re.compile(r"^(?:layer|block)_(\d+)$")
 _KV_HEADS = re.compile(r"(\d+)\s*kv\s*heads?", re.IGNORECASE)
@@ -40,39 +42,50 @@ def is_nvlabs_library(data: Any) -> bool:
     return isinstance(first, dict) and ("stats" in first or "metrics" in first)
 
 
-def read_nvlabs_library(source: str | Path | Mapping[str, Any]) -> list[dict[str, dict[str, Any]]]:
-    """Load the demo library: a list (in layer order) of `{variant name: {"stats", "metrics"}}`.
+def from_nvlabs(data: Mapping[str, Any], origin: str = "library") -> BlockLibrary:
+    """Convert a demo library into the typed `BlockLibrary` (one `blocks` entry per demo variant).
+
+    Each layer lists the attention and FFN variants its blocks use (with no stats of their
+    own: the demo measured whole blocks) and, under `blocks`, every block keyed by its
+    mlxkit name (`kv8+ffn28672`) with the demo's name, metrics and stats.
 
     Raises
     ------
     InputError
-        When the file is not JSON, layers are missing or out of order, or a variant lacks stats/metrics.
+        When layers are missing or out of order, a variant lacks stats or metrics, its name
+        cannot be read, or the stats and metrics do not validate (NaN scores, negative costs).
     """
-    if isinstance(source, Mapping):
-        data: Any = source
-        origin = "library"
-    else:
-        path = Path(source)
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise InputError(f"{path} is not valid JSON: {exc}") from exc
-        origin = str(path)
     if not is_nvlabs_library(data):
         raise InputError(f"{origin} is not an NVlabs/puzzle block library (expected layer_N → variant → stats/metrics)")
-    indexed: dict[int, dict[str, dict[str, Any]]] = {}
+    indexed: dict[int, dict[str, Any]] = {}
     for key, variants in data.items():
         match = _LAYER_KEY.match(str(key))
         if not match or not isinstance(variants, dict):
             raise InputError(f"{origin}: unexpected top-level key '{key}'")
         for name, entry in variants.items():
-            if not isinstance(entry, dict) or "stats" not in entry or "metrics" not in entry:
-                raise InputError(f"{origin}: {key} variant '{name}' needs both 'stats' and 'metrics'")
+            if not isinstance(entry, dict) or not isinstance(entry.get("stats"), dict) \
+                    or not isinstance(entry.get("metrics"), dict):
+                raise InputError(f"{origin}: {key} variant '{name}' needs both 'stats' and 'metrics' (mappings)")
         indexed[int(match.group(1))] = variants
     missing = sorted(set(range(max(indexed) + 1)) - set(indexed))
     if missing:
         raise InputError(f"{origin}: layers {missing} are missing")
-    return [indexed[i] for i in range(len(indexed))]
+    layers = []
+    for index in range(len(indexed)):
+        attention: dict[str, Any] = {}
+        ffn: dict[str, Any] = {}
+        blocks: dict[str, Any] = {}
+        for original, entry in indexed[index].items():
+            choice = block_choice(original, entry["stats"])
+            if choice.name in blocks:
+                raise InputError(f"{origin}: layer_{index} has two variants that both read as {choice.name}")
+            attention.setdefault(choice.attention.name, {"variant": asdict(choice.attention), "source": "nvlabs"})
+            ffn.setdefault(choice.ffn.name, {"variant": asdict(choice.ffn), "source": "nvlabs"})
+            blocks[choice.name] = {"attention": choice.attention.name, "ffn": choice.ffn.name,
+                                   "original_name": original, "metrics": entry["metrics"], "stats": entry["stats"]}
+        layers.append({"layer": index, "attention": attention, "ffn": ffn, "blocks": blocks})
+    # The demo's stats are NVIDIA's own H100 measurements, with no non-block part.
+    return validate_model(BlockLibrary, {"converted_from": "NVlabs/puzzle demo library", "layers": layers}, origin)
 
 
 def split_variant_name(name: str) -> tuple[str, str]:

@@ -7,9 +7,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from mlxkit.engines.core.yaml_config import load_yaml_model
 from mlxkit.engines.errors import RecipeError
 
 RECIPE_PACKAGE = "mlxkit.recipes.puzzle"
@@ -82,11 +82,4 @@ def load_recipe(name_or_path: str | os.PathLike) -> PuzzleRecipe:
                               "or a path to a YAML file)")
         text = resource.read_text()
         origin = f"{name_or_path} (packaged)"
-    try:
-        raw = yaml.safe_load(text) or {}
-        return PuzzleRecipe.model_validate(raw)
-    except yaml.YAMLError as exc:
-        raise RecipeError(f"recipe {origin} is not valid YAML: {exc}") from None
-    except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
-        raise RecipeError(f"recipe {origin} is invalid: {problems}") from None
+    return load_yaml_model(PuzzleRecipe, text, f"recipe {origin}", RecipeError)

@@ -2,9 +2,12 @@
 
 Plan (what exists is reused, what is missing is built):
   1. the block library for (model, recipe): built and scored by `distill` if missing;
-  2. every variant priced on the hardware profile for the deployment scenario;
+  2. pricing: every variant's stats on the hardware profile for the deployment scenario
+     (the profile's own default scenario unless `--scenario` changes it), or the stats the
+     library records (`--costs library`); optionally written out (`--write-costs`);
   3. the MIP (one binary per layer and attention / FFN variant) under the user's budgets,
-     optionally swept over batch sizes and asked for several diverse solutions;
+     optionally swept over batch sizes and asked for several diverse solutions; optionally
+     written out in the LP format (`--write-lp`);
   4. the best child assembled from the library's trained blocks, saved atomically with
      its manifest, and evaluated against the parent on held-out tokens.
 """
@@ -18,18 +21,22 @@ from typing import Any, Literal
 
 import torch
 
+from mlxkit.engines.core.atomic import atomic_write_json
 from mlxkit.engines.core.manifest import Manifest
 from mlxkit.engines.core.progress import Reporter
 from mlxkit.engines.errors import InputError
+from mlxkit.engines.hardware.costs import price_variants
+from mlxkit.engines.hardware.profile import HardwareProfile, load_profile
+from mlxkit.engines.hardware.scenario import Scenario
+from mlxkit.engines.models.decilm.blocks import BlockChoice, ParentShape
 from mlxkit.engines.puzzle.budgets import Budgets
-from mlxkit.engines.puzzle.costs import CostModel, Scenario
-from mlxkit.engines.puzzle.hw_profile import HardwareProfile, load_profile
-from mlxkit.engines.puzzle.library_pricing import (library_format, library_problem, load_library, parent_shape,
-                                                   parent_totals, price_library, solution_block_choices)
-from mlxkit.engines.puzzle.mip import Solution, Solver, sweep_batch_sizes
-from mlxkit.engines.puzzle.variants import BlockChoice
+from mlxkit.engines.puzzle.distill import ensure_library
+from mlxkit.engines.puzzle.library import LibraryDir, read_library
+from mlxkit.engines.puzzle.library_pricing import (LibraryCosts, library_problem, parent_totals, price_library,
+                                                   solution_block_choices, stored_costs)
+from mlxkit.engines.puzzle.library_schema import BlockLibrary
+from mlxkit.engines.puzzle.mip import SearchProblem, Solution, Solver, sweep_batch_sizes
 
-DEFAULT_SCENARIO = "batch=256,in=128,out=1024"
 DEFAULT_THROUGHPUT = "1.5x"
 
 
@@ -51,19 +58,13 @@ class SearchOptions:
     solutions: int = 1
     min_distance: int | None = None
     batch_sweep: tuple[int, ...] = ()
+    write_costs: Path | None = None
+    write_lp: Path | None = None
     seed: int = 0
     overwrite: bool = False
     eval_sequences: int = 4
     allow_pickle: bool = False
     extra_caps: dict[str, float] = field(default_factory=dict)
-
-
-def default_scenario(profile: HardwareProfile, text: str | None) -> Scenario:
-    """The paper's text-generation scenario; FP8 weights and KV cache where the chip has FP8."""
-    defaults: dict[str, Any] = {}
-    if "fp8" in profile.peak_tflops:
-        defaults.update(weight_dtype="fp8", kv_dtype="fp8")
-    return Scenario.parse(DEFAULT_SCENARIO if text is None else f"{DEFAULT_SCENARIO},{text}", **defaults)
 
 
 def budgets_of(options: SearchOptions) -> tuple[Budgets, bool]:
@@ -84,23 +85,18 @@ def costs_only(model: str, target: str, scenario_text: str | None, recipe_name: 
     from mlxkit.engines.models.loading import load_config
     from mlxkit.engines.puzzle.recipe import load_recipe
     from mlxkit.engines.puzzle.search_space import build_search_space
-    from mlxkit.engines.puzzle.variants import ParentShape
 
     config = load_config(model, reporter=reporter)
     check_parent(config)
     shape = ParentShape.from_config(config)
     profile = load_profile(target)
-    scenario = default_scenario(profile, scenario_text)
+    scenario = profile.scenario(scenario_text)
     space = build_search_space(shape, load_recipe(recipe_name).search_space)
-    cm = CostModel(shape, profile, scenario)
-    parent = cm.parent_model()
+    table = price_variants(shape, profile, scenario, space.attention, space.ffn)
     return {
         "model": model, "target": profile.name, "scenario": scenario.to_dict(), "parent_shape": shape.__dict__,
-        "attention": {v.name: cm.attention(v).stats() for v in space.attention},
-        "ffn": {v.name: cm.ffn(v).stats() for v in space.ffn},
-        "non_block": cm.non_block().stats(),
-        "parent_model": parent.to_dict(),
-        "memory_capacity_mib": profile.memory_capacity_gib * 1024,
+        "attention": table["attention"], "ffn": table["ffn"], "non_block": table["non_block"],
+        "parent_model": table["parent"], "memory_capacity_mib": profile.capacity_mib,
     }
 
 
@@ -112,35 +108,38 @@ def run_search(options: SearchOptions, reporter: Reporter | None = None) -> dict
     if options.out is not None and options.out.exists() and not options.overwrite:
         raise InputError(f"output '{options.out}' already exists (pass --overwrite to replace it)")
     profile = load_profile(options.target)
-    scenario = default_scenario(profile, options.scenario)
+    scenario = profile.scenario(options.scenario)
     budgets, defaulted = budgets_of(options)
     if defaulted:
         reporter.notice(f"no budget given: searching for {DEFAULT_THROUGHPUT} the parent's throughput "
                         f"on {profile.name} ({scenario})")
 
-    library_path, library = _ensure_library(options, reporter)
-    fmt = library_format(library)
-    if options.costs == "library" and fmt == "mlxkit" and "stats_context" not in library:
-        raise InputError("this library holds no measured stats; use --costs profile")
-    shape = parent_shape(library) if fmt == "mlxkit" else None
+    library_path, library = _library(options, reporter)
+    shape = library.parent.shape if library.parent is not None else None
+    stored = stored_costs(library) if options.costs == "library" else None
 
-    def make(batch: int):
-        priced = scenario.with_batch(batch)
-        problem = library_problem(library, metric=options.metric, costs=options.costs, profile=profile,
-                                  scenario=priced, parent=shape)
-        parent_runtime = parent_totals(problem, shape).get("runtime_ms")
-        return problem, budgets.constraints(priced.tokens, parent_runtime)
+    def price(batch: int) -> LibraryCosts:
+        # The stored stats stand for whatever they were measured for; only profile prices follow the batch.
+        return stored if stored is not None else price_library(library, profile, scenario.with_batch(batch), shape)
+
+    def make(batch: int) -> tuple[SearchProblem, dict[str, float]]:
+        tokens = scenario.with_batch(batch).tokens
+        problem = library_problem(library, price(batch), metric=options.metric, tokens=tokens)
+        return problem, budgets.constraints(tokens, parent_totals(problem, shape).get("runtime_ms"))
 
     t0 = time.perf_counter()
+    sweep_report = None
     if options.batch_sweep:
         sweep = sweep_batch_sizes(make, options.batch_sweep)
         scenario = scenario.with_batch(sweep.best_batch)
         sweep_report = {b: (s.objective if isinstance(s, Solution) else s) for b, s in sweep.per_batch.items()}
-    else:
-        sweep_report = None
+    costs = price(scenario.batch)
     problem, caps = make(scenario.batch)
+    solver = Solver.build(problem)
+    # Written before solving, so that an infeasible budget can be inspected too.
+    written = _write_costs_and_lp(options, costs, solver, caps)
     min_distance = options.min_distance or max(1, round(0.2 * len(problem.layers)))
-    solutions = Solver.build(problem).solve_many(caps, k=options.solutions, min_distance=min_distance)
+    solutions = solver.solve_many(caps, k=options.solutions, min_distance=min_distance)
     solve_s = time.perf_counter() - t0
     parent_stats = parent_totals(problem, shape)
     best = solutions[0]
@@ -155,10 +154,11 @@ def run_search(options: SearchOptions, reporter: Reporter | None = None) -> dict
         "predicted": _predicted(best.totals, parent_stats, scenario, profile),
         "alternatives": [{"objective": s.objective, "totals": s.totals, "choices": s.choices,
                           "distance_from_best": s.distance(best)} for s in solutions[1:]],
+        **written,
     }
     if sweep_report is not None:
         result["batch_sweep"] = sweep_report
-    if fmt == "mlxkit" and options.out is not None:
+    if library.has_trained_blocks and options.out is not None:
         result.update(_build_child(options, library_path, library, choices, result, profile, scenario, started,
                                    reporter))
     elif options.out is not None:
@@ -168,22 +168,25 @@ def run_search(options: SearchOptions, reporter: Reporter | None = None) -> dict
     return result
 
 
-def _ensure_library(options: SearchOptions, reporter: Reporter) -> tuple[Path, dict[str, Any]]:
-    from mlxkit.engines.puzzle.distill import DistillOptions, default_library_dir, run_distill
-    from mlxkit.engines.puzzle.recipe import load_recipe
-
+def _library(options: SearchOptions, reporter: Reporter) -> tuple[Path, BlockLibrary]:
     if options.library is not None:
-        path = options.library
-        if not path.exists():
-            raise InputError(f"library '{path}' does not exist")
-        return path, load_library(path)
-    path = default_library_dir(options.model, options.recipe)
-    if not (path / "library.json").exists():
-        reporter.notice(f"building the '{options.recipe}' block library for {options.model} at {path} "
-                        "(resumable; reused by later searches)")
-        run_distill(DistillOptions(model=options.model, out=path, recipe=load_recipe(options.recipe),
-                                   data=options.data, seed=options.seed, allow_pickle=options.allow_pickle), reporter)
-    return path, load_library(path)
+        if not options.library.exists():
+            raise InputError(f"library '{options.library}' does not exist")
+        return options.library, read_library(options.library)
+    path = ensure_library(options.model, options.recipe, data=options.data, seed=options.seed,
+                          allow_pickle=options.allow_pickle, reporter=reporter)
+    return path, read_library(path)
+
+
+def _write_costs_and_lp(options: SearchOptions, costs: LibraryCosts, solver: Solver,
+                        caps: dict[str, float]) -> dict[str, str]:
+    written = {}
+    if options.write_costs is not None:
+        atomic_write_json(options.write_costs, costs.model_dump(mode="json", exclude_none=True))
+        written["costs_file"] = str(options.write_costs)
+    if options.write_lp is not None:
+        written["lp_file"] = str(solver.write_lp(options.write_lp, caps))
+    return written
 
 
 def _predicted(totals: dict[str, float], parent: dict[str, float], scenario: Scenario,
@@ -191,7 +194,7 @@ def _predicted(totals: dict[str, float], parent: dict[str, float], scenario: Sce
     runtime, parent_runtime = totals.get("runtime_ms"), parent.get("runtime_ms")
     return {
         "memory_mib": totals.get("memory_mib"), "parent_memory_mib": parent.get("memory_mib"),
-        "memory_capacity_mib": profile.memory_capacity_gib * 1024,
+        "memory_capacity_mib": profile.capacity_mib,
         "runtime_ms": runtime, "parent_runtime_ms": parent_runtime,
         "tokens_per_s": scenario.tokens / runtime * 1e3 if runtime else None,
         "parent_tokens_per_s": scenario.tokens / parent_runtime * 1e3 if parent_runtime else None,
@@ -200,7 +203,7 @@ def _predicted(totals: dict[str, float], parent: dict[str, float], scenario: Sce
     }
 
 
-def _build_child(options: SearchOptions, library_path: Path, library: dict[str, Any], choices: list[BlockChoice],
+def _build_child(options: SearchOptions, library_path: Path, library: BlockLibrary, choices: list[BlockChoice],
                  result: dict[str, Any], profile: HardwareProfile, scenario: Scenario, started: float,
                  reporter: Reporter) -> dict[str, Any]:
     from mlxkit.engines.eval.language_model import evaluate
@@ -208,17 +211,17 @@ def _build_child(options: SearchOptions, library_path: Path, library: dict[str, 
     from mlxkit.engines.models.loading import load_model
     from mlxkit.engines.models.saving import save_model
     from mlxkit.engines.puzzle.assemble import assemble_child
-    from mlxkit.engines.puzzle.library import LibraryDir
 
-    root = library_path if library_path.is_dir() else library_path.parent
-    parent_spec = library["parent"]["spec"]
+    assert library.parent is not None  # has_trained_blocks
+    root = LibraryDir(library_path if library_path.is_dir() else library_path.parent)
+    parent_spec = library.parent.spec
     loaded = load_model(parent_spec, allow_pickle=options.allow_pickle, reporter=reporter)
     parent = from_parent(loaded.model)
     parent.config._attn_implementation = "sdpa"
-    child = assemble_child(parent, LibraryDir(root), choices)
+    child = assemble_child(parent, root, choices)
     n_params = sum(p.numel() for p in child.parameters())
 
-    tokens_file = root / ".work" / "tokens.pt"
+    tokens_file = root.work / "tokens.pt"
     evaluation: dict[str, Any] = {}
     if tokens_file.exists():
         val = torch.load(tokens_file, weights_only=True)["val"][: options.eval_sequences]
@@ -230,7 +233,7 @@ def _build_child(options: SearchOptions, library_path: Path, library: dict[str, 
 
     manifest = Manifest(verb="search", started=started)
     manifest.add_input("parent", parent_spec, loaded.source.path)
-    manifest.add_input("library", str(library_path), root / "library.json")
+    manifest.add_input("library", str(library_path), root.index_file)
     manifest.seeds = {"seed": options.seed}
     manifest.settings = {"target": profile.name, "scenario": scenario.to_dict(), "budgets": result["budgets"],
                          "caps": result["caps"], "metric": options.metric, "costs": options.costs,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mlxkit.engines.models.decilm.blocks import (AttentionVariant, FFNVariant, ParentShape, parent_attention,
+                                                 parent_ffn)
 from mlxkit.engines.puzzle.recipe import SearchSpaceSpec
-from mlxkit.engines.puzzle.variants import (AttentionVariant, FFNVariant, ParentShape, parent_attention,
-                                            parent_ffn)
 
 
 @dataclass(frozen=True)
@@ -16,10 +16,6 @@ class SearchSpace:
     parent: ParentShape
     attention: tuple[AttentionVariant, ...]
     ffn: tuple[FFNVariant, ...]
-
-    @property
-    def combinations_per_layer(self) -> int:
-        return len(self.attention) * len(self.ffn)
 
 
 def round_width(width: float, multiple: int) -> int:

@@ -13,9 +13,10 @@ from typing import Literal
 import torch
 from torch import nn
 
+from mlxkit.engines.models.decilm.blocks import (AttentionVariant, BlockChoice, FFNVariant, ParentShape,
+                                                 parent_attention, parent_ffn)
 from mlxkit.engines.models.decilm.convert import child_config
 from mlxkit.engines.models.decilm.modeling_mlx_decilm import MlxDeciLMDecoderLayer
-from mlxkit.engines.puzzle.variants import AttentionVariant, BlockChoice, FFNVariant
 
 SubblockKind = Literal["attention", "ffn"]
 
@@ -50,8 +51,6 @@ class Subblock(nn.Module):
 
 def parent_subblock(parent_model, layer_idx: int, kind: SubblockKind) -> Subblock:
     """The parent's own subblock at `layer_idx`, as a `Subblock` sharing the parent's tensors."""
-    from mlxkit.engines.puzzle.variants import ParentShape, parent_attention, parent_ffn
-
     shape = ParentShape.from_config(parent_model.config)
     variant = parent_attention(shape) if kind == "attention" else parent_ffn(shape)
     block = Subblock(parent_model.config, layer_idx, kind, variant)

@@ -12,6 +12,8 @@ from typing import Any
 
 from transformers import LlamaConfig
 
+from mlxkit.engines.models.decilm.blocks import AttentionVariant, FFNVariant, ParentShape
+
 
 def _uniform_block(num_heads: int, num_kv_heads: int, hidden: int, intermediate: int) -> dict[str, Any]:
     return {
@@ -24,8 +26,6 @@ def _uniform_block(num_heads: int, num_kv_heads: int, hidden: int, intermediate:
 
 def _normalise_block(block: dict[str, Any], num_heads: int, hidden: int) -> dict[str, Any]:
     """Fill the exact sizes from DeciLM's own fields when a config carries only those."""
-    from mlxkit.engines.puzzle.variants import AttentionVariant, FFNVariant, ParentShape
-
     attention = AttentionVariant.from_block_config(block["attention"], num_heads)
     ffn = FFNVariant.from_block_config(block["ffn"], hidden)
     shape = ParentShape(hidden, 0, num_heads, 0, 0, 0, 0, False)

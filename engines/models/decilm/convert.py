@@ -7,9 +7,9 @@ from typing import Sequence
 import torch
 
 from mlxkit.engines.errors import InputError
+from mlxkit.engines.models.decilm.blocks import BlockChoice, ParentShape
 from mlxkit.engines.models.decilm.configuration_mlx_decilm import MlxDeciLMConfig
 from mlxkit.engines.models.decilm.modeling_mlx_decilm import MlxDeciLMForCausalLM
-from mlxkit.engines.puzzle.variants import BlockChoice, ParentShape
 
 # Llama-shaped families: pre-norm, RoPE, SwiGLU, separate q/k/v/o projections.
 SUPPORTED_PARENTS = {"llama", "mistral", "qwen2", "qwen3", "mlx_decilm"}

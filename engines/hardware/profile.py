@@ -4,27 +4,38 @@ A profile is a small YAML file. The packaged ones live in `hw_profiles/` (instal
 `mlxkit.hw_profiles`); `mlx calibrate` writes new ones. Every number carries its source, a
 datasheet or a measurement, so a reader can tell a vendor's peak from a fitted factor.
 
+Each profile also names the deployment scenario `mlx search` prices when no `--scenario`
+is given (`default_scenario`): a GPU serves the Puzzle paper's batch 256, 128 prompt and
+1024 generated tokens (FP8 weights and KV cache where the chip has FP8 units), a CPU a
+single small request in fp32.
+
 Example
 -------
->>> from mlxkit.engines.puzzle.hw_profile import load_profile
+>>> from mlxkit.engines.hardware.profile import load_profile
 >>> h100 = load_profile("h100")
 >>> h100.peak_flops("fp8") > h100.peak_flops("bf16")
 True
+>>> h100.scenario("batch=64").batch, h100.scenario().weight_dtype
+(64, 'fp8')
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from mlxkit.engines.core.yaml_config import load_yaml_model
 from mlxkit.engines.errors import InputError
+from mlxkit.engines.hardware.scenario import DTYPE_BYTES, Scenario
 
-# Bytes per element of each storage dtype the cost model knows.
-DTYPE_BYTES: dict[str, float] = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
+# The Puzzle paper's text-generation workload, used for a profile that names no default scenario
+# (profiles written before `default_scenario` existed); FP8 where the chip has FP8 units.
+PAPER_SCENARIO = Scenario(batch=256, input_len=128, output_len=1024)
 # When a chip has no units for the weight dtype, the matmul runs at the next wider rate
 # (e.g. FP8 weights on an A100 are upcast to BF16: half the bytes, BF16 speed).
 _COMPUTE_FALLBACK: dict[str, tuple[str, ...]] = {
@@ -67,6 +78,8 @@ class HardwareProfile(BaseModel):
         CPU BLAS packs weight panels for GEMM (M > 1) but streams them once for GEMV (M = 1),
         which makes batch-2 decode markedly slower than batch-1 on a CPU; 0 on GPUs. Fitted.
     kernels : optional override of kernels per subblock (keys of `costs.DEFAULT_KERNELS`).
+    default_scenario : the workload `mlx search` prices on this device when no `--scenario` is
+        given (fields of `Scenario`: batch, input_len, output_len, weight_dtype, kv_dtype).
     sources : where each number comes from, keyed like the fields.
     """
 
@@ -84,6 +97,7 @@ class HardwareProfile(BaseModel):
     matmul_half_rows: float = Field(default=0.0, ge=0)
     gemm_weight_passes: float = Field(default=0.0, ge=0)
     kernels: dict[str, int] | None = None
+    default_scenario: Scenario | None = None
     sources: dict[str, str]
     calibration: dict[str, Any] | None = None
 
@@ -96,6 +110,14 @@ class HardwareProfile(BaseModel):
         if not value or any(v <= 0 for v in value.values()):
             raise ValueError("peak_tflops needs at least one positive rate")
         return value
+
+    def scenario(self, text: str | None = None) -> Scenario:
+        """This device's default scenario, with the fields given in `text` (`batch=64,weights=bf16`) replaced."""
+        base = self.default_scenario
+        if base is None:
+            dtype = "fp8" if "fp8" in self.peak_tflops else "bf16"
+            base = replace(PAPER_SCENARIO, weight_dtype=dtype, kv_dtype=dtype)
+        return Scenario.parse(text, **base.to_dict())
 
     def compute_dtype(self, weight_dtype: str) -> str:
         """The dtype whose matmul rate applies to weights stored in `weight_dtype`."""
@@ -142,25 +164,10 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
     if looks_like_path:
         if not path.is_file():
             raise InputError(f"hardware profile file '{text_name}' does not exist")
-        return _parse(path.read_text(), str(path))
+        return load_yaml_model(HardwareProfile, path.read_text(), f"hardware profile {path}")
     key = text_name.lower()
     resource = resources.files("mlxkit.hw_profiles") / f"{key}.yaml"
     if not resource.is_file():
         raise InputError(f"unknown hardware profile '{text_name}'; available: {', '.join(available_profiles())} "
                          "(or pass a path to a YAML profile, e.g. one written by `mlx calibrate`)")
-    return _parse(resource.read_text(), f"hw_profiles/{key}.yaml")
-
-
-def _parse(text: str, origin: str) -> HardwareProfile:
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise InputError(f"hardware profile {origin} is not valid YAML: {exc}") from exc
-    if not isinstance(data, dict):
-        raise InputError(f"hardware profile {origin} must be a mapping")
-    try:
-        return HardwareProfile.model_validate(data)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise InputError(f"hardware profile {origin}: {where}: {first['msg']}") from exc
+    return load_yaml_model(HardwareProfile, resource.read_text(), f"hardware profile hw_profiles/{key}.yaml")

@@ -1,8 +1,11 @@
-"""The Puzzle search space: per-layer attention and FFN variants of a parent model.
+"""The block vocabulary of the heterogeneous DeciLM-style child: per-layer attention and FFN variants.
 
-Every other Puzzle module (child model, BLD, scoring, cost model, MIP) speaks in these
-types. Names are short and stable (`kv1`, `linear`, `no_op`, `ffn768`) because they key
-files and JSON; `to_block_config` emits the public Nemotron-NAS / DeciLM layout.
+A child layer is an attention variant (GQA with its own KV-head count, one linear map, or
+nothing) plus an FFN variant (SwiGLU of its own width, one linear map, or nothing). These
+types belong to the architecture: the child's config (`block_configs`) is written and read
+through them, and the Puzzle search, the cost model and calibration all speak in them.
+Names are short and stable (`kv1`, `linear`, `no_op`, `ffn768`) because they key files and
+JSON; `to_block_config` emits the public Nemotron-NAS / DeciLM layout.
 """
 
 from __future__ import annotations
