@@ -1,5 +1,5 @@
 # Two commands on a fresh machine:
-#   make demo   sets up .venv and runs the main job (mlx search --target h100 on the embedded default)
+#   make demo   sets up .venv and runs the main job (mlx search --target h100 --gkd-tokens 4096 on the embedded default)
 #   make test   sets up .venv and runs the whole test suite
 PYTHON ?= python3
 VENV   ?= .venv
@@ -15,7 +15,7 @@ $(BIN)/mlx: pyproject.toml setup.py scripts/setup.sh
 setup: $(BIN)/mlx
 
 demo: setup
-	$(BIN)/mlx search --target h100 --out $(OUT)/child --overwrite
+	$(BIN)/mlx search --target h100 --out $(OUT)/child --overwrite --gkd-tokens 4096
 
 test: setup
 	$(BIN)/python -m pytest -q

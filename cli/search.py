@@ -9,7 +9,7 @@ import typer
 
 from mlxkit.cli._errors import fail, guarded
 from mlxkit.cli._options import (AllowPickleOpt, DataOpt, JsonOpt, OverwriteOpt, QuietOpt, RecipeOpt, SeedOpt,
-                                 VerboseOpt, console, emit_json, make_reporter)
+                                 VerboseOpt, console, emit_json, make_reporter, parse_overrides)
 from mlxkit.engines.core.sizes import SIZE_HELP
 
 
@@ -18,7 +18,7 @@ def search_command(
     target: Annotated[str, typer.Option("--target", "-t", help="Hardware profile name (h100, h200, a100-80gb, l40s, cpu, ...) or YAML path.")] = "h100",
     model: Annotated[str, typer.Option("--model", "-m", help="Parent model.")] = "smollm2-135m",
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Where to save the child checkpoint. Default: ./puzzle-child-TARGET.")] = None,
-    throughput: Annotated[Optional[str], typer.Option("--throughput", help="Minimum throughput: tokens/s or a multiple of the parent's, e.g. 2x.")] = None,
+    throughput: Annotated[Optional[str], typer.Option("--throughput", help="Minimum throughput: tokens/s or a multiple of the parent's, e.g. 2x. Several, comma-separated, with --dry-run: the frontier.")] = None,
     memory: Annotated[Optional[str], typer.Option("--memory", help=f"Maximum memory: {SIZE_HELP}; e.g. 80GiB or 40GB.")] = None,
     latency: Annotated[Optional[str], typer.Option("--latency", help="Maximum runtime of one scenario batch, e.g. 30s.")] = None,
     params: Annotated[Optional[str], typer.Option("--params", help="Maximum parameter count, e.g. 100M.")] = None,
@@ -34,6 +34,9 @@ def search_command(
     write_costs: Annotated[Optional[Path], typer.Option("--write-costs", help="Write the priced variants of every layer (JSON).")] = None,
     write_lp: Annotated[Optional[Path], typer.Option("--write-lp", help="Write the MIP, caps included, in the LP file format.")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Solve and report, but write no checkpoint (--write-costs and --write-lp still write their files).")] = False,
+    gkd_tokens: Annotated[Optional[int], typer.Option("--gkd-tokens", min=1, help="Then distil the child against the parent (GKD) on this many tokens of --data (default: text sampled from the parent); resumable.")] = None,
+    gkd_recipe: Annotated[str, typer.Option("--gkd-recipe", help="Distillation recipe for --gkd-tokens (name or YAML path).")] = "gkd",
+    gkd_set: Annotated[list[str], typer.Option("--gkd-set", help="Override a GKD recipe field, e.g. --gkd-set optim.lr=3e-4.")] = [],
     data: DataOpt = None,
     seed: SeedOpt = 0,
     overwrite: OverwriteOpt = False,
@@ -42,8 +45,8 @@ def search_command(
     quiet: QuietOpt = False,
     verbose: VerboseOpt = False,
 ) -> None:
-    from mlxkit.cli.search_render import render_costs, render_search
-    from mlxkit.engines.puzzle.search import SearchOptions, costs_only as price_only, run_search
+    from mlxkit.cli.search_render import render_costs, render_frontier, render_search
+    from mlxkit.engines.puzzle.search import SearchOptions, costs_only as price_only, run_search, search_frontier
 
     reporter = make_reporter(json_out, quiet, verbose)
     if costs not in ("profile", "library"):
@@ -54,6 +57,8 @@ def search_command(
         report = price_only(model, target, scenario, recipe or "quick", reporter)
         emit_json(report) if json_out else render_costs(report, console)
         return
+    if gkd_tokens and dry_run:
+        raise fail("--gkd-tokens trains the saved child; it cannot be combined with --dry-run")
     try:
         sweep = tuple(int(b) for b in batch_sweep.split(",")) if batch_sweep else ()
     except ValueError:
@@ -64,6 +69,13 @@ def search_command(
                             memory=memory, latency=latency, params=params, scenario=scenario, costs=costs,  # type: ignore[arg-type]
                             metric=metric, solutions=solutions, min_distance=min_distance, batch_sweep=sweep,
                             write_costs=write_costs, write_lp=write_lp, seed=seed, overwrite=overwrite,
-                            allow_pickle=allow_pickle)
+                            allow_pickle=allow_pickle, gkd_tokens=gkd_tokens, gkd_recipe=gkd_recipe,
+                            gkd_overrides=parse_overrides(gkd_set))
+    if throughput is not None and "," in throughput:
+        if not dry_run:
+            raise fail("several --throughput targets draw the frontier: add --dry-run (one checkpoint per run)")
+        result = search_frontier(options, [t.strip() for t in throughput.split(",")], reporter)
+        emit_json(result) if json_out else render_frontier(result, console)
+        return
     result = run_search(options, reporter)
     emit_json(result) if json_out else render_search(result, console, quiet)

@@ -37,10 +37,18 @@ def render_search(result: dict, console: Console, quiet: bool = False) -> None:
             summary.add_row("parameters", f"{_num(predicted['num_params'])} (parent {_num(predicted['parent_num_params'])})")
         evaluation = result.get("evaluation") or {}
         if evaluation:
-            summary.add_row("held-out perplexity", f"{evaluation['perplexity']:.3f} child vs "
+            label = "held-out perplexity" + (" (before GKD)" if result.get("gkd") else "")
+            summary.add_row(label, f"{evaluation['perplexity']:.3f} child vs "
                                                    f"{evaluation['parent_perplexity']:.3f} parent "
                                                    f"({evaluation['tokens']} tokens)")
             summary.add_row("KL / top-1 agreement", f"{evaluation['kl_div']:.4f} / {evaluation['top1_agreement']:.3f}")
+        gkd = result.get("gkd")
+        if gkd:
+            before, after = gkd["before"], gkd["after"]
+            summary.add_row("global distillation", f"{gkd['tokens']} tokens; held-out KL {before['kl_div']:.4f} → "
+                                                   f"{after['kl_div']:.4f}, top-1 {before['top1_agreement']:.3f} → "
+                                                   f"{after['top1_agreement']:.3f}, perplexity "
+                                                   f"{before['perplexity']:.2f} → {after['perplexity']:.2f}")
         for alt in result.get("alternatives", []):
             summary.add_row("alternative", f"{result['metric']} {_num(alt['objective'])}, differs in "
                                            f"{alt['distance_from_best']} layers")
@@ -50,6 +58,23 @@ def render_search(result: dict, console: Console, quiet: bool = False) -> None:
             console.print(f"[green]{label}[/green] {result[key]}")
     if result.get("out"):
         console.print(f"[green]child[/green] {result['out']}")
+
+
+def render_frontier(result: dict, console: Console) -> None:
+    from collections import Counter
+
+    table = Table(title=f"Puzzle frontier on {result['target']} (predicted; summed replace-1-block score)")
+    for column in ("target", "speedup", "memory MiB", "params (M)", "Σ score", "attention", "ffn"):
+        table.add_column(column)
+    for row in result["frontier"]:
+        if "infeasible" in row:
+            table.add_row(row["throughput"], "infeasible", "", "", "", row["infeasible"][:60], "")
+            continue
+        mix = {kind: " ".join(f"{name}×{n}" for name, n in Counter(c[kind] for c in row["choices"]).most_common())
+               for kind in ("attention", "ffn")}
+        table.add_row(row["throughput"], f"{row['speedup']:.3f}x", _num(row["memory_mib"], 1),
+                      _num((row["num_params"] or 0) / 1e6, 1), _num(row["objective"]), mix["attention"], mix["ffn"])
+    console.print(table)
 
 
 def render_costs(report: dict, console: Console) -> None:

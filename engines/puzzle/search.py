@@ -9,13 +9,17 @@ Plan (what exists is reused, what is missing is built):
      optionally swept over batch sizes and asked for several diverse solutions; optionally
      written out in the LP format (`--write-lp`);
   4. the best child assembled from the library's trained blocks, saved atomically with
-     its manifest, and evaluated against the parent on held-out tokens.
+     its manifest, and evaluated against the parent on held-out tokens;
+  5. with `gkd_tokens`, global distillation of that child against the parent: the assembled
+     child waits in `.<out>.search-work/` and the distillation's own work directory, so a
+     rerun of the same command resumes at the stage it stopped in, and the distilled child
+     is what lands at `out`, its manifest recording every stage.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -65,6 +69,9 @@ class SearchOptions:
     eval_sequences: int = 4
     allow_pickle: bool = False
     extra_caps: dict[str, float] = field(default_factory=dict)
+    gkd_tokens: int | None = None
+    gkd_recipe: str = "gkd"
+    gkd_overrides: dict[str, Any] = field(default_factory=dict)
 
 
 def budgets_of(options: SearchOptions) -> tuple[Budgets, bool]:
@@ -159,13 +166,38 @@ def run_search(options: SearchOptions, reporter: Reporter | None = None) -> dict
     if sweep_report is not None:
         result["batch_sweep"] = sweep_report
     if library.has_trained_blocks and options.out is not None:
-        result.update(_build_child(options, library_path, library, choices, result, profile, scenario, started,
-                                   reporter))
+        if options.gkd_tokens:
+            result.update(_build_and_distil(options, library_path, library, choices, result, profile, scenario,
+                                            started, reporter))
+        else:
+            result.update(_build_child(options, library_path, library, choices, result, profile, scenario,
+                                       started, reporter))
     elif options.out is not None:
         reporter.notice("an NVlabs/puzzle demo library has no trained blocks: the solution is reported, "
                         "no checkpoint is written")
     result["wall_time_s"] = round(time.time() - started, 1)
     return result
+
+
+def search_frontier(options: SearchOptions, throughputs: list[str], reporter: Reporter | None = None) -> dict[str, Any]:
+    """Solve once per throughput target (no checkpoint): the predicted speed / memory / summed-score trade-off.
+
+    A target no child reaches is a row with its reason, not an error, so the frontier shows where it ends.
+    """
+    from mlxkit.engines.errors import InfeasibleError
+
+    rows = []
+    for throughput in throughputs:
+        try:
+            result = run_search(replace(options, out=None, throughput=throughput, gkd_tokens=None), reporter)
+        except InfeasibleError as exc:
+            rows.append({"throughput": throughput, "infeasible": str(exc)})
+            continue
+        predicted = result["predicted"]
+        rows.append({"throughput": throughput, "speedup": predicted["speedup"], "memory_mib": predicted["memory_mib"],
+                     "num_params": predicted["num_params"], "objective": result["objective"],
+                     "metric": result["metric"], "status": result["status"], "choices": result["choices"]})
+    return {"target": options.target, "frontier": rows}
 
 
 def _library(options: SearchOptions, reporter: Reporter) -> tuple[Path, BlockLibrary]:
@@ -201,6 +233,56 @@ def _predicted(totals: dict[str, float], parent: dict[str, float], scenario: Sce
         "speedup": parent_runtime / runtime if runtime and parent_runtime else None,
         "num_params": totals.get("num_params"), "parent_num_params": parent.get("num_params"),
     }
+
+
+def search_work_dir(out: Path) -> Path:
+    """Where `--gkd-tokens` keeps the assembled child until its distilled version is saved."""
+    out = Path(out).expanduser().resolve()
+    return out.parent / f".{out.name}.search-work"
+
+
+def _build_and_distil(options: SearchOptions, library_path: Path, library: BlockLibrary,
+                      choices: list[BlockChoice], result: dict[str, Any], profile: HardwareProfile,
+                      scenario: Scenario, started: float, reporter: Reporter) -> dict[str, Any]:
+    """Assemble the child (or reuse the one a previous run assembled for the same choices), then GKD it."""
+    import json
+    import shutil
+
+    from mlxkit.engines.distill.recipe import load_distill_recipe
+    from mlxkit.engines.distill.trainer import DistillationOptions, run_distillation
+
+    assert library.parent is not None and options.out is not None
+    recipe = load_distill_recipe(options.gkd_recipe).with_overrides(options.gkd_overrides)  # fail before work
+    staged = search_work_dir(options.out) / "child-before-gkd"
+    manifest_file = staged / "mlxkit.json"
+    before: dict[str, Any] | None = None
+    if manifest_file.exists():
+        recorded = json.loads(manifest_file.read_text())["results"]
+        if recorded.get("choices") == result["choices"]:
+            before = {"out": str(staged), "num_params": recorded.get("num_params"),
+                      "evaluation": recorded.get("evaluation")}
+            reporter.notice(f"reusing the child assembled by an earlier run at {staged}")
+    if before is None:
+        from mlxkit.engines.distill.trainer import work_dir_for
+
+        shutil.rmtree(work_dir_for(options.out), ignore_errors=True)  # a distillation of another child
+        before = _build_child(replace(options, out=staged, overwrite=True), library_path, library, choices, result,
+                              profile, scenario, started, reporter)
+    search_stages = {"library": str(library_path), "target": profile.name, "scenario": scenario.to_dict(),
+                     "budgets": result["budgets"], "caps": result["caps"], "mip": {
+                         "objective": result["objective"], "status": result["status"],
+                         "metric": options.metric, "solve_time_s": result["solve_time_s"]},
+                     "predicted": result["predicted"], "choices": result["choices"],
+                     "child_before_gkd": {"num_params": before["num_params"], "evaluation": before["evaluation"]}}
+    reporter.notice(f"global distillation of the child on {options.gkd_tokens} tokens "
+                    f"({'--data ' + str(options.data) if options.data else 'text sampled from the parent'})")
+    summary = run_distillation(DistillationOptions(
+        mode="gkd", teacher=library.parent.spec, student=str(staged), out=options.out, recipe=recipe,
+        data=options.data, tokens=options.gkd_tokens, seed=options.seed, overwrite=options.overwrite,
+        allow_pickle=options.allow_pickle, manifest_extra={"search": search_stages}), reporter)
+    shutil.rmtree(search_work_dir(options.out), ignore_errors=True)
+    return {"out": summary["out"], "num_params": before["num_params"], "evaluation": before["evaluation"],
+            "gkd": {k: v for k, v in summary.items() if k != "out"}}
 
 
 def _build_child(options: SearchOptions, library_path: Path, library: BlockLibrary, choices: list[BlockChoice],

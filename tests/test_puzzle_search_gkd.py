@@ -1,0 +1,94 @@
+"""`mlx search --gkd-tokens`: search, assembly and global distillation in one resumable command; the frontier."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+import mlxkit  # noqa: F401
+from mlxkit.cli.main import app
+from mlxkit.engines.distill.trainer import DistillationRun, work_dir_for
+from mlxkit.engines.puzzle.search import search_work_dir
+
+runner = CliRunner()
+GKD = ["--gkd-set", "data.seq_len=32", "--gkd-set", "data.held_out_sequences=2", "--gkd-set",
+       "optim.batch_sequences=4", "--gkd-set", "optim.lr=1e-2", "--gkd-set", "schedule.checkpoint_every=1",
+       "--gkd-set", "schedule.eval_every=2"]
+
+
+@pytest.fixture
+def built_library(tiny_llama_dir, text_file, tiny_recipe_file, tmp_path):
+    out = tmp_path / "lib"
+    result = runner.invoke(app, ["distill", "--bld", "--model", str(tiny_llama_dir), "--recipe", str(tiny_recipe_file),
+                                 "--data", str(text_file), "--out", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def _search(library, text_file, out, *extra):
+    return runner.invoke(app, ["search", "--library", str(library), "--throughput", "1.3x", "--data", str(text_file),
+                               "--out", str(out), "--gkd-tokens", str(4 * 4 * 32), *GKD, "--json", *extra])
+
+
+def _weights(path):
+    return {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def test_one_command_gives_a_distilled_child_and_resumes_where_it_stopped(built_library, text_file, tmp_path,
+                                                                         monkeypatch):
+    straight = tmp_path / "straight"
+    result = _search(built_library, text_file, straight)
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    assert payload["gkd"]["after"]["kl_div"] < payload["gkd"]["before"]["kl_div"]
+    manifest = json.loads((straight / "mlxkit.json").read_text())
+    stages = manifest["settings"]["search"]
+    assert stages["mip"]["objective"] == pytest.approx(payload["objective"])
+    assert stages["choices"] == payload["choices"] and "child_before_gkd" in stages
+    assert (straight / "distill_log.jsonl").exists() and not search_work_dir(straight).exists()
+
+    # interrupted after two GKD steps: the assembled child and the checkpoint stay, the output does not exist
+    interrupted = tmp_path / "interrupted"
+    original, calls = DistillationRun.train_step, []
+
+    def failing_step(self, step):
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        calls.append(step)
+        return original(self, step)
+
+    monkeypatch.setattr(DistillationRun, "train_step", failing_step)
+    assert _search(built_library, text_file, interrupted).exit_code == 130
+    assert (search_work_dir(interrupted) / "child-before-gkd").exists()
+    assert (work_dir_for(interrupted) / "checkpoint").exists() and not interrupted.exists()
+    monkeypatch.setattr(DistillationRun, "train_step", original)
+    resumed = _search(built_library, text_file, interrupted)
+    assert resumed.exit_code == 0, resumed.output
+    a, b = _weights(straight), _weights(interrupted)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_gkd_tokens_cannot_be_combined_with_dry_run(built_library, text_file):
+    result = runner.invoke(app, ["search", "--library", str(built_library), "--gkd-tokens", "64", "--dry-run"])
+    assert result.exit_code != 0 and "--dry-run" in result.output
+
+
+def test_frontier_solves_once_per_target_and_marks_where_it_ends(built_library):
+    result = runner.invoke(app, ["search", "--library", str(built_library), "--throughput", "1.1x,1.3x,50x",
+                                 "--dry-run", "--json"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)["frontier"]
+    assert [r["throughput"] for r in rows] == ["1.1x", "1.3x", "50x"]
+    assert "infeasible" in rows[2]
+    for row, target in zip(rows[:2], (1.1, 1.3)):
+        assert row["speedup"] >= target - 1e-6
+        single = runner.invoke(app, ["search", "--library", str(built_library), "--throughput", row["throughput"],
+                                     "--dry-run", "--json"])
+        assert json.loads(single.stdout)["objective"] == pytest.approx(row["objective"])
+    assert rows[0]["objective"] <= rows[1]["objective"] + 1e-9
+    needs_dry_run = runner.invoke(app, ["search", "--library", str(built_library), "--throughput", "1.1x,1.3x"])
+    assert needs_dry_run.exit_code != 0 and "--dry-run" in needs_dry_run.output
