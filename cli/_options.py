@@ -10,6 +10,7 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.console import Console
 
+from mlxkit.cli._errors import fail
 from mlxkit.engines.core.progress import Reporter, RichReporter
 
 ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Model: HF directory, .gguf file, hub id, or 'smollm2-135m'.")]
@@ -37,3 +38,19 @@ def emit_json(payload: Any) -> None:
     """The one machine-readable object a verb prints with --json."""
     sys.stdout.write(json.dumps(payload, indent=2, default=str) + "\n")
     sys.stdout.flush()
+
+
+def parse_overrides(pairs: list[str]) -> dict[str, object]:
+    """`--set optim.lr=3e-4` → {"optim.lr": 0.0003}; values are read as YAML scalars."""
+    import yaml
+
+    overrides: dict[str, object] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            raise fail(f"--set takes key=value (got '{pair}')")
+        try:
+            overrides[key.strip()] = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            raise fail(f"--set {key.strip()}: cannot read the value '{raw}'") from None
+    return overrides

@@ -4,24 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import yaml
-
 from mlxkit.cli._errors import fail
-from mlxkit.cli._options import console, emit_json, make_reporter
-
-
-def parse_overrides(pairs: list[str]) -> dict[str, object]:
-    """`--set optim.lr=3e-4` → {"optim.lr": 0.0003}; values are read as YAML scalars."""
-    overrides: dict[str, object] = {}
-    for pair in pairs:
-        key, sep, raw = pair.partition("=")
-        if not sep or not key.strip():
-            raise fail(f"--set takes key=value (got '{pair}')")
-        try:
-            overrides[key.strip()] = yaml.safe_load(raw)
-        except yaml.YAMLError:
-            raise fail(f"--set {key.strip()}: cannot read the value '{raw}'") from None
-    return overrides
+from mlxkit.cli._options import console, emit_json, make_reporter, parse_overrides
 
 
 def run_global_distillation(*, mode: str, teacher: str | None, student: str | None, out: Path, data: Path | None,
