@@ -144,3 +144,17 @@ def tiny_recipe_file(tmp_path) -> Path:
     path = tmp_path / "tiny.yaml"
     path.write_text(TINY_PUZZLE_RECIPE)
     return path
+
+
+@pytest.fixture
+def built_library(tiny_llama_dir, text_file, tiny_recipe_file, tmp_path) -> Path:
+    """A BLD block library of the tiny Llama, built and scored through `mlx distill --bld`."""
+    from typer.testing import CliRunner
+
+    from mlxkit.cli.main import app
+
+    out = tmp_path / "lib"
+    result = CliRunner().invoke(app, ["distill", "--bld", "--model", str(tiny_llama_dir), "--recipe",
+                                      str(tiny_recipe_file), "--data", str(text_file), "--out", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    return out

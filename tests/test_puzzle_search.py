@@ -23,15 +23,6 @@ from mlxkit.engines.puzzle.library import LibraryDir, read_library
 runner = CliRunner()
 
 
-@pytest.fixture
-def built_library(tiny_llama_dir, text_file, tiny_recipe_file, tmp_path):
-    out = tmp_path / "lib"
-    result = runner.invoke(app, ["distill", "--bld", "--model", str(tiny_llama_dir), "--recipe", str(tiny_recipe_file),
-                                 "--data", str(text_file), "--out", str(out), "--quiet"])
-    assert result.exit_code == 0, result.output
-    return out
-
-
 def _search(*args: str) -> dict:
     result = runner.invoke(app, ["search", *args, "--json"])
     assert result.exit_code == 0, result.output

@@ -20,15 +20,6 @@ GKD = ["--gkd-set", "data.seq_len=32", "--gkd-set", "data.held_out_sequences=2",
        "--gkd-set", "schedule.eval_every=2"]
 
 
-@pytest.fixture
-def built_library(tiny_llama_dir, text_file, tiny_recipe_file, tmp_path):
-    out = tmp_path / "lib"
-    result = runner.invoke(app, ["distill", "--bld", "--model", str(tiny_llama_dir), "--recipe", str(tiny_recipe_file),
-                                 "--data", str(text_file), "--out", str(out), "--quiet"])
-    assert result.exit_code == 0, result.output
-    return out
-
-
 def _search(library, text_file, out, *extra):
     return runner.invoke(app, ["search", "--library", str(library), "--throughput", "1.3x", "--data", str(text_file),
                                "--out", str(out), "--gkd-tokens", str(4 * 4 * 32), *GKD, "--json", *extra])
