@@ -158,3 +158,21 @@ def built_library(tiny_llama_dir, text_file, tiny_recipe_file, tmp_path) -> Path
                                       str(tiny_recipe_file), "--data", str(text_file), "--out", str(out), "--quiet"])
     assert result.exit_code == 0, result.output
     return out
+
+
+def tiny_layer0_states(n: int = 6, seq_len: int = 24):
+    """A converted tiny parent and its layer-0 residual states on seeded random ids: (parent, pos, h, mid, out)."""
+    from mlxkit.engines.models.decilm.convert import from_parent
+    from mlxkit.engines.puzzle import activations
+
+    parent = from_parent(make_tiny_llama())
+    parent.config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    ids = torch.randint(3, 128, (n, seq_len))
+    pos = activations.position_embeddings(parent, seq_len)
+    with torch.no_grad():
+        h = parent.model.embed_tokens(ids)
+        layer = parent.model.layers[0]
+        mid = h + layer.attention_delta(h, pos)
+        out = mid + layer.ffn_delta(mid)
+    return parent, pos, h, mid, out

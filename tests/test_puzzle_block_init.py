@@ -4,27 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from conftest import make_tiny_llama
+from conftest import tiny_layer0_states
 from mlxkit.engines.models.decilm.blocks import AttentionVariant, FFNVariant
-from mlxkit.engines.models.decilm.convert import from_parent
-from mlxkit.engines.puzzle import activations
 from mlxkit.engines.puzzle.bld import normalized_mse
 from mlxkit.engines.puzzle.block_init import initialise, kv_head_groups, least_squares_map
 from mlxkit.engines.puzzle.subblocks import parent_subblock
 
 
 def _parent_and_states(seq_len: int = 24, n: int = 6):
-    parent = from_parent(make_tiny_llama())
-    parent.config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    ids = torch.randint(3, 128, (n, seq_len))
-    pos = activations.position_embeddings(parent, seq_len)
-    with torch.no_grad():
-        h = parent.model.embed_tokens(ids)
-        layer = parent.model.layers[0]
-        mid = h + layer.attention_delta(h, pos)
-        out = mid + layer.ffn_delta(mid)
-    return parent, pos, h, mid, out
+    return tiny_layer0_states(n, seq_len)
 
 
 def test_linear_attention_least_squares_beats_wo_wv_product():

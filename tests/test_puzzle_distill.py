@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
-from conftest import make_tiny_llama
+from conftest import tiny_layer0_states
 from mlxkit.cli.main import app
 from mlxkit.engines.models.decilm.blocks import AttentionVariant, BlockChoice, FFNVariant, ParentShape
 from mlxkit.engines.models.decilm.convert import from_parent
@@ -167,16 +167,7 @@ def test_init_only_writes_the_initialised_blocks_untrained(tiny_llama_dir, tiny_
 
 
 def _layer0_states(n: int = 8, seq_len: int = 24):
-    parent = from_parent(make_tiny_llama())
-    parent.config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    ids = torch.randint(3, 128, (n, seq_len))
-    pos = activations.position_embeddings(parent, seq_len)
-    with torch.no_grad():
-        h = parent.model.embed_tokens(ids)
-        layer = parent.model.layers[0]
-        mid = h + layer.attention_delta(h, pos)
-        out = mid + layer.ffn_delta(mid)
+    parent, pos, _, mid, out = tiny_layer0_states(n, seq_len)
     return parent, pos, mid, out - mid
 
 

@@ -32,12 +32,13 @@ from typing import Any, Literal
 
 import torch
 
-from mlxkit.engines.core.atomic import atomic_file, atomic_write_json
-from mlxkit.engines.core.distributed import Distributed
+from mlxkit.engines.core.atomic import atomic_file
+from mlxkit.engines.core.distributed import Distributed, gradients
 from mlxkit.engines.core.manifest import Manifest, content_hash
 from mlxkit.engines.core.progress import Reporter
 from mlxkit.engines.core.seeds import seeded_generator
-from mlxkit.engines.distill.checkpoint import TrainingState, load_checkpoint, save_checkpoint
+from mlxkit.engines.distill.checkpoint import (TrainingState, check_run_key, load_checkpoint, save_checkpoint,
+                                               truncate_log)
 from mlxkit.engines.distill.losses import cosine_distance_sum, logit_term_sums
 from mlxkit.engines.distill.recipe import DistillRecipe
 from mlxkit.engines.errors import InputError, NonFiniteError
@@ -165,18 +166,7 @@ class DistillationRun:
                 "recipe": self.recipe.model_dump(exclude={"schedule", "name", "description"})}
 
     def _check_or_write_run_key(self) -> None:
-        key_file = self.work / "run.json"
-        key = json.loads(json.dumps(self._run_key(), default=str))
-        if key_file.exists():
-            previous = json.loads(key_file.read_text())
-            changed = sorted(k for k in key if previous.get(k) != key[k])
-            if changed:
-                raise InputError(f"'{self.work}' holds an unfinished run with other settings ({', '.join(changed)}); "
-                                 "delete it to start over, or rerun with the same settings to resume")
-        elif self.dist.is_main:
-            self.work.mkdir(parents=True, exist_ok=True)
-            atomic_write_json(key_file, key)
-        self.dist.barrier()
+        check_run_key(self.work, self._run_key(), self.dist)
 
     def _token_blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
         path = self.work / "tokens.pt"
@@ -249,7 +239,7 @@ class DistillationRun:
                 sums[1] += terms.kl.item()
                 sums[2] += terms.nll.item()
             loss.backward()
-        self._all_reduce_gradients(sums)
+        self.dist.all_reduce_sum([*gradients([p for p in self.student.parameters() if p.requires_grad]), sums])
         if spec.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.student.parameters(), spec.grad_clip)
         self.optimizer.step()
@@ -258,21 +248,6 @@ class DistillationRun:
         if not math.isfinite(total):
             raise NonFiniteError(f"the distillation loss became non-finite at step {step} (try a lower optim.lr)")
         return {"loss": total, "cosine": cosine, "kl": kl, "nll": nll}
-
-    def _all_reduce_gradients(self, sums: torch.Tensor) -> None:
-        if self.dist.world_size == 1:
-            return
-        import torch.distributed as dist
-
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.student.parameters()
-                 if p.requires_grad]
-        flat = torch.cat([g.reshape(-1) for g in grads] + [sums.float()])
-        dist.all_reduce(flat)
-        offset = 0
-        for p, g in zip([p for p in self.student.parameters() if p.requires_grad], grads):
-            p.grad = flat[offset:offset + g.numel()].view_as(g).clone()
-            offset += g.numel()
-        sums.copy_(flat[offset:].double())
 
     def evaluate(self) -> dict[str, float]:
         from mlxkit.engines.eval.language_model import evaluate
@@ -286,7 +261,7 @@ class DistillationRun:
         """Run the remaining steps; returns the summary, or None when stopped early or on a non-main rank."""
         log = self.work / LOG_NAME
         if self.dist.is_main:
-            _truncate_log(log, self.state.log_lines)
+            truncate_log(log, self.state.log_lines)
             if self.state.step == 0 and self.state.log_lines == 0:
                 self._log(log, {"step": 0, "tokens": 0, "eval": self.evaluate()})
         self.dist.barrier()
@@ -374,14 +349,6 @@ class _ManifestWithLog:
 def _source_key(source) -> dict[str, Any]:
     path = getattr(source, "path", None)
     return {"spec": source.spec, "hash": content_hash(path) if path is not None and Path(path).exists() else None}
-
-
-def _truncate_log(log: Path, lines: int) -> None:
-    """Drop log records written after the checkpoint we resume from, so a resumed log equals an uninterrupted one."""
-    if not log.exists():
-        return
-    kept = log.read_text().splitlines()[:lines]
-    log.write_text("".join(line + "\n" for line in kept))
 
 
 def run_distillation(options: DistillationOptions, reporter: Reporter | None = None) -> dict[str, Any]:

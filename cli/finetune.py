@@ -1,0 +1,68 @@
+"""Fine-tune a model: H-Tuning (mix-order LoRA), LoRA, or every weight; resumable, data-parallel under torchrun."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from mlxkit.cli._errors import fail, guarded
+from mlxkit.cli._options import (AllowPickleOpt, JsonOpt, OverwriteOpt, QuietOpt, SeedOpt,
+                                 TextFieldOpt, VerboseOpt, console, emit_json, make_reporter, parse_overrides)
+
+
+@guarded
+def finetune_command(
+    out: Annotated[Path, typer.Option("--out", "-o", help="Output: a peft adapter directory (htuning, lora), or a "
+                                      "whole checkpoint (full, --merge); an unfinished run there is resumed.")],
+    data: Annotated[Optional[Path], typer.Option("--data", help="Training data: text (.txt, .jsonl with --text-field, "
+                                                 "a directory of .txt) or, for classification, .jsonl with text "
+                                                 "and label fields.")] = None,
+    recipe: Annotated[str, typer.Option("--recipe", help="htuning, lora, full (see `mlx recipes`) or a path to a "
+                                        "YAML file.")] = "htuning",
+    model: Annotated[str, typer.Option("--model", "-m", help="Base model: HF directory, .gguf file, hub id, or "
+                                       "'smollm2-135m'.")] = "smollm2-135m",
+    steps: Annotated[Optional[int], typer.Option("--steps", help="Optimiser steps (recipe: schedule.steps).")] = None,
+    batch: Annotated[Optional[int], typer.Option("--batch", help="Sequences per step, over all processes "
+                                                 "(recipe: optim.batch_sequences).")] = None,
+    lr: Annotated[Optional[float], typer.Option("--lr", help="Peak learning rate (recipe: optim.lr).")] = None,
+    objective: Annotated[Optional[str], typer.Option("--objective", help="causal_lm or classification "
+                                                     "(recipe: objective).")] = None,
+    eval_data: Annotated[Optional[Path], typer.Option("--eval-data", help="Held-out text for the validation loss "
+                                                      "(default: data.held_out_sequences of --data).")] = None,
+    merge: Annotated[bool, typer.Option("--merge", help="Fold the adapter into the base and write a merged "
+                                        "safetensors checkpoint instead of the adapter.")] = False,
+    overrides: Annotated[list[str], typer.Option("--set", help="Override any recipe field, e.g. --set "
+                                                 "htuning.mix_coef=0.9.")] = [],
+    text_field: TextFieldOpt = "text",
+    seed: SeedOpt = 0,
+    overwrite: OverwriteOpt = False,
+    allow_pickle: AllowPickleOpt = False,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    from mlxkit.engines.finetune.recipe import load_finetune_recipe
+    from mlxkit.engines.finetune.trainer import FinetuneOptions, run_finetune
+
+    if data is None:
+        raise fail("finetune needs --data (text, or JSONL with text and label fields for classification)")
+    flags = {"schedule.steps": steps, "optim.batch_sequences": batch, "optim.lr": lr, "objective": objective}
+    settings = {key: value for key, value in flags.items() if value is not None}
+    loaded = load_finetune_recipe(recipe).with_overrides({**settings, **parse_overrides(overrides)})
+    options = FinetuneOptions(model=model, data=data, out=out, recipe=loaded, eval_data=eval_data,
+                              text_field=text_field, merge=merge, seed=seed, overwrite=overwrite,
+                              allow_pickle=allow_pickle)
+    summary = run_finetune(options, make_reporter(json_out, quiet, verbose))
+    if not summary:  # a non-zero rank of a distributed run: rank 0 reports
+        return
+    if json_out:
+        emit_json(summary)
+        return
+    before, after = summary["before"], summary["after"]
+    extra = f", accuracy {before['accuracy']:.3f} → {after['accuracy']:.3f}" if "accuracy" in after else ""
+    console.print(f"[green]{summary['method']}[/green] {summary['out']} ({summary['format']}): {summary['steps']} "
+                  f"steps, {summary['trainable_parameters']:,} trainable parameters; held-out loss "
+                  f"{before['loss']:.4f} → {after['loss']:.4f}{extra} ({summary['wall_time_s']} s, peak RSS "
+                  f"{summary['peak_rss_mib']:.0f} MiB)")

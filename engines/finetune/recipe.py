@@ -1,0 +1,137 @@
+"""Fine-tuning recipes (`recipes/finetune/*.yaml`): method, objective, adapter, data, optimiser, schedule.
+
+Every field is validated by pydantic when the recipe is read, and again after `--set`
+overrides, so a typo or an out-of-range value is one error naming each bad key, before
+any weights load.
+"""
+
+from __future__ import annotations
+
+import os
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from mlxkit.engines.core.yaml_config import load_yaml_model, read_yaml_mapping, validate_model
+from mlxkit.engines.errors import RecipeError
+
+RECIPE_PACKAGE = "mlxkit.recipes.finetune"
+
+Method = Literal["htuning", "lora", "full"]
+Objective = Literal["causal_lm", "classification"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class LoraSpec(_Strict):
+    """peft `LoraConfig` fields; scaling is alpha / r."""
+
+    r: int = Field(8, ge=1, le=4096)
+    alpha: float = Field(16.0, gt=0, allow_inf_nan=False)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    # "all-linear" (peft's selector: every Linear but the output head) or module names / a regex.
+    target_modules: Union[list[str], str] = "all-linear"
+
+
+class HTuningSpec(_Strict):
+    """The mix-order step (H-Tuning, Zhou et al., ICML 2025)."""
+
+    zo_eps: float = Field(1e-3, gt=0, le=1, allow_inf_nan=False)       # SPSA perturbation size ε
+    mix_coef: float = Field(0.85, ge=0, le=1)                          # c: g = c·g_FO + (1−c)·‖g_FO‖·ĝ_ZO
+    fo_sequences: int = Field(2, ge=1)                                 # backprop slice of each batch
+    # The last `fo_layers` decoder layers (and a classification head, always) get an exact
+    # first-order gradient on the full batch instead of the blend.
+    fo_layers: int = Field(1, ge=0)
+
+
+class DataSpec(_Strict):
+    seq_len: int = Field(512, ge=2, le=1 << 20)     # packed length (causal LM) or truncation (classification)
+    held_out_sequences: int = Field(8, ge=1)         # validation sequences / examples
+    label_field: str = Field("label", min_length=1)  # classification JSONL field holding the label
+
+
+class OptimSpec(_Strict):
+    lr: float = Field(1e-3, gt=0, le=1, allow_inf_nan=False)
+    min_lr_factor: float = Field(0.1, ge=0, le=1)
+    warmup_fraction: float = Field(0.05, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False)
+    grad_clip: float = Field(1.0, ge=0, allow_inf_nan=False)
+    batch_sequences: int = Field(8, ge=1)
+    micro_batch_sequences: int = Field(8, ge=1)
+
+
+class ScheduleSpec(_Strict):
+    steps: int = Field(100, ge=1)
+    eval_every: int = Field(20, ge=1)
+    checkpoint_every: int = Field(20, ge=1)
+
+
+class FinetuneRecipe(_Strict):
+    name: str = "custom"
+    description: str = ""
+    method: Method = "lora"
+    objective: Objective = "causal_lm"
+    lora: Optional[LoraSpec] = LoraSpec()
+    htuning: Optional[HTuningSpec] = None
+    data: DataSpec = DataSpec()
+    optim: OptimSpec = OptimSpec()
+    schedule: ScheduleSpec = ScheduleSpec()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "FinetuneRecipe":
+        if self.method == "full" and self.lora is not None:
+            raise ValueError("method 'full' trains every weight and takes no lora section (set lora: null)")
+        if self.method in ("lora", "htuning") and self.lora is None:
+            raise ValueError(f"method '{self.method}' needs a lora section")
+        if self.method == "htuning":
+            if self.htuning is None:
+                raise ValueError("method 'htuning' needs an htuning section")
+            if self.htuning.fo_sequences > self.optim.batch_sequences:
+                raise ValueError(f"htuning.fo_sequences ({self.htuning.fo_sequences}) cannot exceed "
+                                 f"optim.batch_sequences ({self.optim.batch_sequences})")
+        elif self.htuning is not None:
+            raise ValueError(f"method '{self.method}' takes no htuning section (set htuning: null)")
+        return self
+
+    def with_overrides(self, overrides: dict[str, Any]) -> "FinetuneRecipe":
+        """A copy with dotted keys replaced (`optim.lr=3e-4`, `htuning.mix_coef=0.9`), validated again."""
+        data = self.model_dump()
+        for dotted, value in overrides.items():
+            node = data
+            *parents, leaf = dotted.split(".")
+            for key in parents:
+                if not isinstance(node.get(key), dict):
+                    raise RecipeError(f"unknown recipe key '{dotted}'" + _unset_hint(node, key))
+                node = node[key]
+            if leaf not in node:
+                raise RecipeError(f"unknown recipe key '{dotted}'")
+            node[leaf] = value
+        return validate_model(FinetuneRecipe, data, "recipe with overrides", RecipeError)
+
+
+def _unset_hint(node: dict[str, Any], key: str) -> str:
+    return f" (this recipe has no '{key}' section)" if key in node and node[key] is None else ""
+
+
+def available_recipes() -> list[str]:
+    return sorted(p.name[:-5] for p in resources.files(RECIPE_PACKAGE).iterdir() if p.name.endswith(".yaml"))
+
+
+def load_finetune_recipe(name_or_path: str | os.PathLike) -> FinetuneRecipe:
+    """A packaged recipe by name (`htuning`, `lora`, `full`) or a YAML file by path."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise RecipeError(f"recipe file '{path}' does not exist")
+        return load_yaml_model(FinetuneRecipe, path.read_text(), f"recipe {path}", RecipeError)
+    resource = resources.files(RECIPE_PACKAGE) / f"{name_or_path}.yaml"
+    if not resource.is_file():
+        raise RecipeError(f"unknown fine-tuning recipe '{name_or_path}' (available: "
+                          f"{', '.join(available_recipes())}, or a path to a YAML file)")
+    return validate_model(FinetuneRecipe, read_yaml_mapping(resource.read_text(), f"recipe {name_or_path}",
+                                                            RecipeError),
+                          f"recipe {name_or_path} (packaged)", RecipeError)

@@ -1,0 +1,295 @@
+"""`mlx finetune`: H-Tuning (mix-order LoRA), first-order LoRA and full fine-tuning, resumably.
+
+One run class serves the three recipes; only the gradient of a step differs
+(`steps.first_order_step` for lora and full, `steps.mix_order_step` for htuning). Each
+optimiser step takes a global batch of `batch_sequences` sequences, split over the
+processes of a torchrun launch and then into micro-batches (see `steps`).
+
+Work in progress lives beside the output, in `.<out>.finetune-work/`: the run key, the
+latest checkpoint (the trainable tensors, the optimiser, the RNG, the step; the step fixes
+the learning rate, the batch order and the SPSA seed) and the log. A rerun of the same
+command resumes from the checkpoint and ends with the same weights as an uninterrupted run.
+The result is written atomically to `out` with the log and a manifest, and the work
+directory is removed. Every check of the user's input runs before the work directory is
+created, so a refused run leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mlxkit.engines.core.atomic import atomic_output_dir
+from mlxkit.engines.core.distributed import Distributed
+from mlxkit.engines.core.manifest import Manifest, content_hash
+from mlxkit.engines.core.progress import Reporter
+from mlxkit.engines.core.seeds import derive_seed
+from mlxkit.engines.distill.checkpoint import (TrainingState, check_run_key, load_checkpoint, save_checkpoint,
+                                               truncate_log)
+from mlxkit.engines.distill.trainer import batch_indices, learning_rate
+from mlxkit.engines.errors import InputError, NonFiniteError
+from mlxkit.engines.finetune.data import (Batch, Examples, LabelledTexts, classification_examples, lm_examples,
+                                          read_raw)
+from mlxkit.engines.finetune.model import build_model, fo_layer_parameters, save_outputs
+from mlxkit.engines.finetune.recipe import FinetuneRecipe
+from mlxkit.engines.finetune.steps import MixOrderSplit, first_order_step, mix_order_step
+
+LOG_NAME = "finetune_log.jsonl"
+
+
+@dataclass(frozen=True)
+class FinetuneOptions:
+    model: str
+    data: Path
+    out: Path
+    recipe: FinetuneRecipe
+    eval_data: Path | None = None   # held-out text for a causal LM (default: a split of --data)
+    text_field: str = "text"
+    merge: bool = False             # adapter recipes: write the merged model instead of the adapter
+    seed: int = 0
+    overwrite: bool = False
+    allow_pickle: bool = False
+    stop_after_steps: int | None = None  # leave a resumable checkpoint and stop (tests, time-boxed runs)
+    manifest_extra: dict[str, Any] = field(default_factory=dict)
+
+
+def work_dir_for(out: Path) -> Path:
+    out = Path(out).expanduser().resolve()
+    return out.parent / f".{out.name}.finetune-work"
+
+
+class FinetuneRun:
+    """Setup, train, save: one readable recipe over the shared building blocks."""
+
+    def __init__(self, options: FinetuneOptions, reporter: Reporter | None = None):
+        self.options = options
+        self.recipe = options.recipe
+        self.reporter = reporter or Reporter()
+        self.dist = Distributed.from_env()
+        self.out = Path(options.out).expanduser().resolve()
+        self.work = work_dir_for(self.out)
+        self.started = time.time()
+
+    # ------------------------------------------------------------------ setup
+    def setup(self) -> None:
+        """Check everything, load and prepare; the work directory appears only once all checks passed."""
+        from mlxkit.engines.models.loading import load_model
+
+        recipe, options = self.recipe, self.options
+        self._check_options()
+        text_field, label_field = options.text_field, recipe.data.label_field
+        raw = read_raw(options.data, recipe.objective, text_field, label_field)
+        eval_raw = None
+        if options.eval_data is not None:
+            eval_raw = read_raw(options.eval_data, "causal_lm", text_field, label_field)
+        loaded = load_model(options.model, allow_pickle=options.allow_pickle, reporter=self.reporter)
+        self.tokenizer, self.source = loaded.tokenizer, loaded.source
+        lm = loaded.model
+        lm.config._attn_implementation = "sdpa"
+        positions = getattr(lm.config, "max_position_embeddings", None)
+        if positions and recipe.data.seq_len > positions:
+            raise InputError(f"data.seq_len {recipe.data.seq_len} exceeds the model's {positions} positions")
+        # peft's LoRA A matrices, the classification head and any dropout draw from torch's global RNG.
+        torch.manual_seed(derive_seed(options.seed, "finetune"))
+        labels = raw.label_names if isinstance(raw, LabelledTexts) else None
+        self.model, self.peft = build_model(lm, recipe, labels, model_spec=f"model '{options.model}'")
+        self.params = [p for _, p in self.model.trainable()]
+        if recipe.method == "htuning":
+            assert recipe.htuning is not None
+            fo_ids = fo_layer_parameters(self.model, recipe.htuning.fo_layers)
+            self.split = MixOrderSplit(zo=[p for p in self.params if id(p) not in fo_ids],
+                                       fo=[p for p in self.params if id(p) in fo_ids])
+            if not self.split.zo:
+                raise InputError("htuning leaves no tensor to the zeroth-order estimate (lower htuning.fo_layers)")
+        self.train_data, self.val_data = self._examples(raw, eval_raw)
+        self.units_per_sequence = 1 if labels is not None else recipe.data.seq_len - 1
+        self.steps = recipe.schedule.steps
+        spec = recipe.optim
+        self.optimizer = torch.optim.AdamW(self.params, lr=spec.lr, weight_decay=spec.weight_decay)
+        check_run_key(self.work, self._run_key(), self.dist)
+        self.state = TrainingState(0, 0, 0, {"train_seconds": 0.0})
+        resumed = load_checkpoint(self.work / "checkpoint", self.model, self.optimizer,
+                                  trainable_only=self.peft is not None)
+        if resumed is not None:
+            self.state = resumed
+            self.reporter.notice(f"resuming {recipe.method} at step {resumed.step} of {self.steps} "
+                                 f"from {self.work / 'checkpoint'}")
+
+    def _check_options(self) -> None:
+        recipe, options = self.recipe, self.options
+        if self.out.exists() and not options.overwrite:
+            raise InputError(f"output '{self.out}' already exists (pass --overwrite to replace it)")
+        if recipe.optim.batch_sequences % self.dist.world_size:
+            raise InputError(f"the global batch ({recipe.optim.batch_sequences} sequences) must divide evenly over "
+                             f"{self.dist.world_size} processes")
+        if options.merge and recipe.method == "full":
+            raise InputError("--merge folds an adapter into the base; the full recipe already writes whole weights")
+        if options.eval_data is not None and recipe.objective != "causal_lm":
+            raise InputError("--eval-data is held-out text for the causal-LM objective; classification holds out "
+                             "data.held_out_sequences examples of --data")
+
+    def _examples(self, raw, eval_raw) -> tuple[Examples, Examples]:
+        data, seed = self.recipe.data, self.options.seed
+        if isinstance(raw, LabelledTexts):
+            return classification_examples(self.tokenizer, raw, seq_len=data.seq_len,
+                                           held_out=data.held_out_sequences, seed=seed)
+        needed = self.recipe.schedule.steps * self.recipe.optim.batch_sequences
+        return lm_examples(self.tokenizer, raw, seq_len=data.seq_len, train_sequences=needed,
+                           held_out=data.held_out_sequences, seed=seed, eval_texts=eval_raw)
+
+    def _run_key(self) -> dict[str, Any]:
+        def hashed(path: Path | None) -> Any:
+            return None if path is None else {"spec": str(path), "hash": content_hash(path)}
+
+        model_path = self.source.path
+        return {"model": {"spec": self.source.spec,
+                          "hash": content_hash(model_path) if model_path is not None else None},
+                "data": hashed(self.options.data), "eval_data": hashed(self.options.eval_data),
+                "text_field": self.options.text_field, "seed": self.options.seed, "steps": self.steps,
+                "recipe": self.recipe.model_dump(exclude={"name", "description", "schedule"})}
+
+    # ------------------------------------------------------------------ train
+    def _pieces(self, indices: list[int]) -> list[Batch]:
+        micro = self.recipe.optim.micro_batch_sequences
+        return [self.train_data.batch(indices[lo:lo + micro]) for lo in range(0, len(indices), micro)]
+
+    def train_step(self, step: int) -> tuple[dict[str, float], int]:
+        """One optimiser step on the global batch of `step`; returns its loss terms (global means) and tokens."""
+        spec = self.recipe.optim
+        indices = batch_indices(step, spec.batch_sequences, len(self.train_data), self.options.seed)
+        rank, world = self.dist.rank, self.dist.world_size
+        units = spec.batch_sequences * self.units_per_sequence
+        for group in self.optimizer.param_groups:
+            group["lr"] = learning_rate(step, self.steps, self.recipe)  # reads recipe.optim's schedule fields
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.recipe.method == "htuning":
+            ht = self.recipe.htuning
+            assert ht is not None
+            fo_mine = indices[rank:ht.fo_sequences:world]  # this rank's part of the first fo_sequences
+            terms = mix_order_step(self.model, self.split, self._pieces(indices[rank::world]), self._pieces(fo_mine),
+                                   units, ht.fo_sequences * self.units_per_sequence, ht,
+                                   derive_seed(self.options.seed, "spsa", step), self.dist)
+        else:
+            terms = first_order_step(self.model, self.params, self._pieces(indices[rank::world]), units, self.dist)
+        if spec.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, spec.grad_clip)
+        self.optimizer.step()
+        if not all(math.isfinite(v) for v in terms.values()):
+            raise NonFiniteError(f"the fine-tuning loss became non-finite at step {step} (try a lower optim.lr)")
+        return terms, int(self.train_data.lengths[indices].sum())
+
+    def evaluate(self) -> dict[str, float]:
+        return self.model.evaluate(self.val_data, self.recipe.optim.micro_batch_sequences)
+
+    def train(self) -> dict[str, Any] | None:
+        """Run the remaining steps; returns the summary, or None when stopped early or on a non-main rank."""
+        log = self.work / LOG_NAME
+        if self.dist.is_main:
+            truncate_log(log, self.state.log_lines)
+            if self.state.step == 0 and self.state.log_lines == 0:
+                self._log(log, {"step": 0, "tokens": 0, "train_s": 0.0, "eval": self.evaluate()})
+        self.dist.barrier()
+        schedule = self.recipe.schedule
+        stop = self.steps if self.options.stop_after_steps is None else min(self.steps, self.options.stop_after_steps)
+        title = f"{self.recipe.method}: {self.steps} steps of {self.recipe.optim.batch_sequences} sequences"
+        with self.reporter.task(title, total=self.steps) as task:
+            task.advance(self.state.step)
+            for step in range(self.state.step, stop):
+                started = time.perf_counter()
+                terms, tokens = self.train_step(step)
+                seconds = time.perf_counter() - started
+                self.state.step, self.state.tokens_seen = step + 1, self.state.tokens_seen + tokens
+                self.state.extra["train_seconds"] += seconds
+                record: dict[str, Any] = {"step": step + 1, "tokens": self.state.tokens_seen,
+                                          "lr": self.optimizer.param_groups[0]["lr"], **terms,
+                                          "step_s": seconds, "tokens_per_s": tokens / seconds,
+                                          "train_s": self.state.extra["train_seconds"]}
+                last = step + 1 == self.steps
+                if self.dist.is_main and ((step + 1) % schedule.eval_every == 0 or last):
+                    record["eval"] = self.evaluate()
+                if self.dist.is_main:
+                    self._log(log, record)
+                if ((step + 1) % schedule.checkpoint_every == 0 or step + 1 == stop) and not last:
+                    if self.dist.is_main:
+                        save_checkpoint(self.work / "checkpoint", self.model, self.optimizer, self.state,
+                                        trainable_only=self.peft is not None)
+                    self.dist.barrier()
+                task.advance()
+                task.update(loss=terms["loss"], tok_s=round(record["tokens_per_s"], 1))
+        if self.state.step < self.steps or not self.dist.is_main:
+            return None  # every rank meets the others again in cleanup()
+        return self._summary(log)
+
+    def _log(self, log: Path, record: dict[str, Any]) -> None:
+        with open(log, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+        self.state.log_lines += 1
+
+    def _summary(self, log: Path) -> dict[str, Any]:
+        records = [json.loads(line) for line in log.read_text().splitlines()]
+        evals = [r for r in records if "eval" in r]
+        step_seconds = sorted(r["step_s"] for r in records if "step_s" in r)
+        speeds = sorted(r["tokens_per_s"] for r in records if "tokens_per_s" in r)
+        total = sum(p.numel() for p in self.model.parameters())
+        trainable = sum(p.numel() for p in self.params)
+        return {"method": self.recipe.method, "objective": self.recipe.objective, "steps": self.steps,
+                "tokens": self.state.tokens_seen, "batch_sequences": self.recipe.optim.batch_sequences,
+                "seq_len": self.recipe.data.seq_len, "world_size": self.dist.world_size,
+                "trainable_parameters": trainable, "parameters": total,
+                "before": evals[0]["eval"], "after": evals[-1]["eval"], "final_loss": records[-1].get("loss"),
+                "train_seconds": round(self.state.extra["train_seconds"], 3),
+                "median_step_s": step_seconds[len(step_seconds) // 2] if step_seconds else None,
+                "median_tokens_per_s": speeds[len(speeds) // 2] if speeds else None,
+                "peak_rss_mib": round(_peak_rss_mib(), 1)}
+
+    # ------------------------------------------------------------------ save
+    def save(self, summary: dict[str, Any]) -> Path:
+        options = self.options
+        manifest = Manifest(verb="finetune", started=self.started)
+        manifest.add_input("model", options.model, self.source.path)
+        manifest.add_input("data", str(options.data), options.data)
+        if options.eval_data is not None:
+            manifest.add_input("eval_data", str(options.eval_data), options.eval_data)
+        manifest.seeds = {"seed": options.seed}
+        manifest.settings = {"recipe": self.recipe.model_dump(), "merge": options.merge, **options.manifest_extra}
+        self.model.eval()
+        with atomic_output_dir(self.out, overwrite=options.overwrite) as tmp:
+            kind = save_outputs(self.model, self.peft, self.tokenizer, tmp, merge=options.merge)
+            summary["format"] = kind
+            manifest.results = {**summary, "log": LOG_NAME}
+            shutil.copyfile(self.work / LOG_NAME, tmp / LOG_NAME)
+            manifest.write(tmp)
+        shutil.rmtree(self.work, ignore_errors=True)
+        return self.out
+
+    def cleanup(self) -> None:
+        self.dist.close()
+
+
+def _peak_rss_mib() -> float:
+    """This process's peak resident size (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1 << 20) if sys.platform == "darwin" else peak / 1024
+
+
+def run_finetune(options: FinetuneOptions, reporter: Reporter | None = None) -> dict[str, Any]:
+    """Train (or resume) and save; returns the summary ({} on non-main ranks or when stopped early)."""
+    run = FinetuneRun(options, reporter)
+    try:
+        run.setup()
+        summary = run.train()
+        if summary is None:
+            return {}
+        out = run.save(summary)
+        return {**summary, "out": str(out), "wall_time_s": round(time.time() - run.started, 1)}
+    finally:
+        run.cleanup()
