@@ -124,10 +124,10 @@ class DistillationRun:
             model.config._attn_implementation = "sdpa"
         self.teacher.eval().requires_grad_(False)
         self.student.train()
-        self.seq_len = spec_seq_len = self.recipe.data.seq_len
+        self.seq_len = self.recipe.data.seq_len
         positions = getattr(self.student.config, "max_position_embeddings", None)
-        if positions and spec_seq_len > positions:
-            raise InputError(f"data.seq_len {spec_seq_len} exceeds the student's {positions} positions")
+        if positions and self.seq_len > positions:
+            raise InputError(f"data.seq_len {self.seq_len} exceeds the student's {positions} positions")
         tokens = self.options.tokens or self.recipe.schedule.tokens
         self.steps = max(1, math.ceil(tokens / (spec.batch_sequences * self.seq_len)))
         self.optimizer = torch.optim.AdamW([p for p in self.student.parameters() if p.requires_grad], lr=spec.lr,
