@@ -90,3 +90,22 @@ def test_uniform_pruning_says_when_no_uniform_child_reaches_the_target():
     assert cost_model.parent_model().runtime_ms / cost_model.model(smallest).runtime_ms < 1.5
     with pytest.raises(InfeasibleError, match="uniform"):
         uniform_choices(SHAPE, cost_model, 1.5)
+
+
+def test_an_initialised_uniform_child_carries_the_initialised_blocks(built_library, tiny_llama_dir, tmp_path):
+    from mlxkit.engines.models.loading import load_model
+    from mlxkit.engines.puzzle import activations
+    from mlxkit.engines.puzzle.baselines import build_initialised_child
+    from mlxkit.engines.puzzle.block_init import initialise
+    from mlxkit.engines.puzzle.subblocks import parent_subblock
+
+    parent = from_parent(load_model(str(tiny_llama_dir)).model)
+    parent.config._attn_implementation = "sdpa"
+    choices = [BlockChoice(AttentionVariant("gqa", 1), FFNVariant("mlp", 32))] * 2
+    states_dir = built_library / ".work" / "activations"
+    child = build_initialised_child(parent, choices, states_dir, tmp_path / "blocks")
+    states = activations.load_layer(states_dir, 1, 2)
+    expected = initialise(parent_subblock(parent, 1, "ffn"), FFNVariant("mlp", 32), parent.config, 1,
+                          states.train_mid, states.train_out - states.train_mid)
+    torch.testing.assert_close(child.model.layers[1].mlp.down_proj.weight, expected.layer.mlp.down_proj.weight)
+    assert child.config.block_configs[0]["attention"]["num_key_value_heads"] == 1

@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -21,6 +21,10 @@ from mlxkit.engines.errors import InfeasibleError
 from mlxkit.engines.hardware.costs import CostModel
 from mlxkit.engines.models.decilm.blocks import (AttentionVariant, BlockChoice, FFNVariant, ParentShape,
                                                  parent_attention, parent_ffn)
+
+
+# Uniform pruning keeps GQA / MLP blocks only, initialised as BLD initialises them.
+INIT_NAMES = {"attention": "mean_pooled_kv_heads", "ffn": "channel_contribution_pruning"}
 
 
 @dataclass(frozen=True)
@@ -111,6 +115,7 @@ def build_initialised_child(parent, choices: Sequence[BlockChoice], activations_
     from mlxkit.engines.puzzle.assemble import assemble_child
     from mlxkit.engines.puzzle.block_init import initialise
     from mlxkit.engines.puzzle.library import LibraryDir
+    from mlxkit.engines.puzzle.library_schema import BlockRecord, TrainingInfo
     from mlxkit.engines.puzzle.subblocks import parent_subblock
 
     shape = ParentShape.from_config(parent.config)
@@ -127,5 +132,8 @@ def build_initialised_child(parent, choices: Sequence[BlockChoice], activations_
             else:
                 x, y = states.train_mid, states.train_out - states.train_mid
             block = initialise(parent_subblock(parent, layer, kind), variant, parent.config, layer, x, y)
-            library.save_block(block, {"layer": layer, "kind": kind, "variant": variant.name, "trained": False})
+            library.save_block(block, BlockRecord(layer=layer, kind=kind, variant=asdict(variant), init=INIT_NAMES[kind],
+                                                  trained=False, training=TrainingInfo(steps=0, tokens=0,
+                                                                                       val_nmse_init=None,
+                                                                                       val_nmse=None)))
     return assemble_child(parent, library, choices)
