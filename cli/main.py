@@ -84,6 +84,7 @@ def _register() -> None:
     from mlxkit.cli import calibrate
     from mlxkit.cli import distill
     from mlxkit.cli import eval as eval_cmd
+    from mlxkit.cli import export
     from mlxkit.cli import fetch, finetune
     from mlxkit.cli import merge, recipes
     from mlxkit.cli import search
@@ -92,6 +93,7 @@ def _register() -> None:
     app.command("calibrate", help=calibrate.__doc__)(calibrate.calibrate_command)
     app.command("distill", help=distill.__doc__)(distill.distill_command)
     app.command("eval", help=eval_cmd.__doc__)(eval_cmd.eval_command)
+    app.command("export", help=export.__doc__)(export.export_command)
     app.command("fetch", help=fetch.__doc__)(fetch.fetch_command)
     app.command("finetune", help=finetune.__doc__)(finetune.finetune_command)
     app.command("merge", help=merge.__doc__)(merge.merge_command)

@@ -1,0 +1,54 @@
+"""Export a child (or parent) for serving: a llama.cpp GGUF, the Nemotron-NAS layout, or a self-contained HF dir."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from mlxkit.cli._errors import guarded
+from mlxkit.cli._options import JsonOpt, OverwriteOpt, QuietOpt, VerboseOpt, console, emit_json, make_reporter
+
+
+@guarded
+def export_command(
+    model: Annotated[str, typer.Argument(help="Child or parent: a local HF directory, or 'smollm2-135m'.")],
+    fmt: Annotated[str, typer.Option("--format", "-f", help="gguf | nemotron-nas | hf.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="The .gguf file (its manifest goes beside it as "
+                                                          "<file>.mlxkit.json), or the output directory.")],
+    dtype: Annotated[str, typer.Option("--dtype", help="f32 | f16 | q8_0 (q8_0: GGUF only).")] = "f32",
+    overwrite: OverwriteOpt = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Check everything, print what would be written, "
+                                                          "write nothing (reads no weights).")] = False,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    from mlxkit.engines.export import describe_plan, plan_export, run_export
+
+    reporter = make_reporter(json_out, quiet, verbose)
+    plan = plan_export(model, fmt, out, dtype, overwrite=overwrite, reporter=reporter)
+    result = describe_plan(plan) if dry_run else run_export(plan, overwrite=overwrite, reporter=reporter)
+    if json_out:
+        emit_json(result)
+        return
+    if quiet:
+        console.print(result["out"])
+        return
+    table = Table(title=f"mlx export {model} --format {fmt}", show_header=False)
+    table.add_row("output", result["out"] + (" (dry run: nothing written)" if dry_run else ""))
+    table.add_row("dtype", result["dtype"])
+    size = "" if dry_run else f" ({result['tensors']} tensors, {result['tensor_bytes'] / 2**20:.1f} MiB)"
+    table.add_row("layers", f"{result['layers']}{size}")
+    table.add_row("RoPE", f"{result['rope']['type']}, theta {result['rope']['theta']:g}")
+    if "gguf" in result:
+        table.add_row("heads / KV heads", f"{result['gguf']['head_count']} / {result['gguf']['head_count_kv']}")
+        table.add_row("FFN lengths", str(result["gguf"]["feed_forward_length"]))
+    if dry_run:
+        for note in result["notes"]:
+            table.add_row("note", note)
+    else:
+        table.add_row("manifest", result["manifest"])
+    console.print(table)
