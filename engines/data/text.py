@@ -6,6 +6,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -54,8 +55,8 @@ def _read_utf8(path: Path) -> str:
         raise InputError(f"data file '{path}' is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
 
 
-def _read_jsonl(path: Path, text_field: str) -> list[str]:
-    texts = []
+def read_jsonl_records(path: Path, text_field: str) -> Iterator[tuple[int, dict]]:
+    """(line number, object) for every non-blank line of a .jsonl file; each object must hold `text_field`."""
     for number, line in enumerate(_read_utf8(path).splitlines(), start=1):
         if not line.strip():
             continue
@@ -65,7 +66,11 @@ def _read_jsonl(path: Path, text_field: str) -> list[str]:
             raise InputError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
         if not isinstance(record, dict) or text_field not in record:
             raise InputError(f"{path}:{number}: no field '{text_field}' (choose one with --text-field)")
-        texts.append(str(record[text_field]))
+        yield number, record
+
+
+def _read_jsonl(path: Path, text_field: str) -> list[str]:
+    texts = [str(record[text_field]) for _, record in read_jsonl_records(path, text_field)]
     return texts
 
 

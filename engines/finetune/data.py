@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from mlxkit.engines.data.text import pack, read_texts, split, tokenize
+from mlxkit.engines.data.text import pack, read_jsonl_records, read_texts, split, tokenize
 from mlxkit.engines.errors import InputError
 
 
@@ -70,20 +70,8 @@ def read_labelled(path: str | os.PathLike, text_field: str, label_field: str) ->
     if path.suffix != ".jsonl":
         raise InputError(f"classification data '{path}' must be a .jsonl file with '{text_field}' and "
                          f"'{label_field}' fields")
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as exc:
-        raise InputError(f"data file '{path}' is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     texts, raw_labels = [], []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise InputError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
-        if not isinstance(record, dict) or text_field not in record:
-            raise InputError(f"{path}:{number}: no field '{text_field}' (choose one with --text-field)")
+    for number, record in read_jsonl_records(path, text_field):
         if label_field not in record or record[label_field] is None:
             raise InputError(f"{path}:{number}: no field '{label_field}' (choose one with --set "
                              f"data.label_field=NAME)")

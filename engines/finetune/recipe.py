@@ -14,6 +14,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from mlxkit.engines.distill.recipe import OptimSpec  # one optimiser schema for every training verb
 from mlxkit.engines.core.yaml_config import load_yaml_model, read_yaml_mapping, validate_model
 from mlxkit.engines.errors import RecipeError
 
@@ -52,16 +53,6 @@ class DataSpec(_Strict):
     seq_len: int = Field(512, ge=2, le=1 << 20)     # packed length (causal LM) or truncation (classification)
     held_out_sequences: int = Field(8, ge=1)         # validation sequences / examples
     label_field: str = Field("label", min_length=1)  # classification JSONL field holding the label
-
-
-class OptimSpec(_Strict):
-    lr: float = Field(1e-3, gt=0, le=1, allow_inf_nan=False)
-    min_lr_factor: float = Field(0.1, ge=0, le=1)
-    warmup_fraction: float = Field(0.05, ge=0, lt=1)
-    weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False)
-    grad_clip: float = Field(1.0, ge=0, allow_inf_nan=False)
-    batch_sequences: int = Field(8, ge=1)
-    micro_batch_sequences: int = Field(8, ge=1)
 
 
 class ScheduleSpec(_Strict):
