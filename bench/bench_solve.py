@@ -33,7 +33,7 @@ SOLVERS = ("ssi", "spsolve", "splu", "pardiso", "pyamg")
 PROBLEMS = ("poisson5", "varcoef9")
 # (solver, size) pairs skipped up front, with the reason printed in the table.
 SKIP = {
-    ("spsolve", 2049): "COLAMD SuperLU: ~30 s at 1025^2 growing ~8x per doubling (>200 s est., brief sec. 8)",
+    ("spsolve", 2049): "COLAMD SuperLU: ~30 s at 1025^2 growing ~8x per doubling (>200 s estimated from that growth)",
 }
 
 
