@@ -16,10 +16,11 @@ def fetch_command(
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    from mlxkit.engines.models.loading import describe_source, load_config, resolve_spec
+    from mlxkit.engines.models.loading import check_local_weights, describe_source, load_config, resolve_spec
 
     reporter = make_reporter(json_out, quiet, False)
     source = resolve_spec(model, reporter)
+    check_local_weights(source)  # "ready" promises loadable weights, not just a config
     config = load_config(str(source.path) if source.path else model)
     info = {"spec": model, "kind": source.kind, "path": str(source.path) if source.path else None,
             "model_type": config.model_type, "layers": getattr(config, "num_hidden_layers", None),

@@ -39,10 +39,13 @@ class _MlxGroup(TyperGroup):
             raise
         except Exception as exc:
             # typer vendors click privately, so its usage errors are recognised by their interface.
-            if ctx.meta.get(_JSON_FLAG) and isinstance(getattr(exc, "exit_code", None), int) \
-                    and callable(getattr(exc, "format_message", None)):
+            if not (isinstance(getattr(exc, "exit_code", None), int) and callable(getattr(exc, "format_message", None))):
+                raise
+            if ctx.meta.get(_JSON_FLAG):
                 print_json_error(type(exc).__name__, exc.format_message(), exc.exit_code)
-            raise
+            # One `error:` line like every other error, instead of click's usage box.
+            where = getattr(getattr(exc, "ctx", None), "command_path", None) or "mlx"
+            raise fail(f"{exc.format_message()} (see '{where} --help')", exc.exit_code, type(exc).__name__) from None
 
 
 app = typer.Typer(

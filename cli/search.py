@@ -23,7 +23,7 @@ def search_command(
     latency: Annotated[Optional[str], typer.Option("--latency", help="Maximum runtime of one scenario batch, e.g. 30s.")] = None,
     params: Annotated[Optional[str], typer.Option("--params", help="Maximum parameter count, e.g. 100M.")] = None,
     scenario: Annotated[Optional[str], typer.Option("--scenario", help="Deployment scenario, e.g. batch=256,in=128,out=1024,weights=fp8; fields not given keep the target profile's default scenario.")] = None,
-    recipe: RecipeOpt = "quick",
+    recipe: RecipeOpt = None,
     library: Annotated[Optional[Path], typer.Option("--library", help="Block library (mlxkit dir/JSON, or an NVlabs/puzzle demo JSON).")] = None,
     costs: Annotated[str, typer.Option("--costs", help="'profile' (predict from shapes) or 'library' (the library's own stats).")] = "profile",
     metric: Annotated[str, typer.Option("--metric", help="Library metric to optimise (kl_div, lm_loss, top1_agreement).")] = "kl_div",
@@ -65,7 +65,7 @@ def search_command(
         raise fail(f"--batch-sweep takes comma-separated integers (got '{batch_sweep}')") from None
     target_name = Path(target).stem if target.endswith((".yaml", ".yml")) else target
     options = SearchOptions(out=None if dry_run else (out or Path(f"puzzle-child-{target_name}")), target=target,
-                            model=model, recipe=recipe or "quick", library=library, data=data, throughput=throughput,
+                            model=model, recipe=recipe, library=library, data=data, throughput=throughput,
                             memory=memory, latency=latency, params=params, scenario=scenario, costs=costs,  # type: ignore[arg-type]
                             metric=metric, solutions=solutions, min_distance=min_distance, batch_sweep=sweep,
                             write_costs=write_costs, write_lp=write_lp, seed=seed, overwrite=overwrite,

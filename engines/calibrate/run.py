@@ -184,6 +184,17 @@ def _rel(pred: float, meas: float) -> float | None:
     return (pred - meas) / meas if meas > 0 else None
 
 
+def _check_positions(settings: CalibrationSettings) -> None:
+    """Refuse, before loading weights, prompt lengths the model cannot hold (they would be timed for hours)."""
+    from mlxkit.engines.models.loading import load_config
+
+    limit = getattr(load_config(settings.model), "max_position_embeddings", None)
+    need = max(settings.seqs) + settings.decode_steps
+    if isinstance(limit, int) and need > limit:
+        raise InputError(f"--seq {max(settings.seqs)} plus {settings.decode_steps} decode steps needs {need} "
+                         f"positions, but '{settings.model}' has {limit} (max_position_embeddings)")
+
+
 def run_calibrate(settings: CalibrationSettings, out: str | Path, *, overwrite: bool = False,
                   reporter: Reporter | None = None) -> CalibrationResult:
     """Time the variants, fit the profile, and write `out` (YAML) plus `<stem>.report.json` beside it."""
@@ -205,7 +216,10 @@ def run_calibrate(settings: CalibrationSettings, out: str | Path, *, overwrite: 
     if settings.device.startswith("cuda") and not torch.cuda.is_available():
         raise BackendError("--device cuda was asked for, but torch sees no CUDA device")
     if settings.dtype not in _TORCH_TO_DTYPE:
-        raise InputError(f"dtype must be one of {', '.join(_TORCH_TO_DTYPE)}")
+        raise InputError(f"--dtype must be one of {', '.join(_TORCH_TO_DTYPE)} (got '{settings.dtype}')")
+    if settings.clock not in ("auto", "wall", "cpu"):
+        raise InputError(f"--clock must be auto, wall or cpu (got '{settings.clock}')")
+    _check_positions(settings)
     device = torch.device(settings.device)
     if settings.threads is not None:
         if settings.threads < 1:

@@ -26,11 +26,22 @@ class TokenBlocks:
         return int(self.train.shape[1] if self.train.numel() else self.val.shape[1])
 
 
-def read_texts(path: str | os.PathLike, text_field: str = "text") -> list[str]:
-    """Documents from a .txt file, a .jsonl file (one object per line), or a directory of .txt files."""
+def check_data_path(path: str | os.PathLike) -> Path:
+    """Refuse a missing or unsupported --data path before any output is started (reads no text)."""
     path = Path(path).expanduser()
     if not path.exists():
         raise InputError(f"data '{path}' does not exist")
+    if path.is_file() and path.suffix not in _TEXT_SUFFIXES + (".jsonl",):
+        raise InputError(f"data '{path}' has an unsupported format '{path.suffix}' (use .txt, .jsonl or a directory)")
+    return path
+
+
+_TEXT_SUFFIXES = (".txt", ".md", ".text", ".raw", "")
+
+
+def read_texts(path: str | os.PathLike, text_field: str = "text") -> list[str]:
+    """Documents from a .txt file, a .jsonl file (one object per line), or a directory of .txt files."""
+    path = check_data_path(path)
     if path.is_dir():
         files = sorted(p for p in path.rglob("*.txt") if p.is_file())
         if not files:
@@ -38,10 +49,8 @@ def read_texts(path: str | os.PathLike, text_field: str = "text") -> list[str]:
         texts = [_read_utf8(f) for f in files]
     elif path.suffix == ".jsonl":
         texts = _read_jsonl(path, text_field)
-    elif path.suffix in (".txt", ".md", ".text", ".raw") or path.suffix == "":
-        texts = [_read_utf8(path)]
     else:
-        raise InputError(f"data '{path}' has an unsupported format '{path.suffix}' (use .txt, .jsonl or a directory)")
+        texts = [_read_utf8(path)]
     texts = [t for t in texts if t.strip()]
     if not texts:
         raise InputError(f"data '{path}' holds no text")

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from mlxkit import register_auto_classes
 from mlxkit.engines.core.progress import Reporter
-from mlxkit.engines.errors import InputError, ModelLoadError, OfflineError
+from mlxkit.engines.errors import InputError, ModelLoadError, NonFiniteError, OfflineError
 from mlxkit.engines.io.safetensors_header import validate_safetensors_dir
 from mlxkit.engines.models import default_model
 from mlxkit.engines.models.hub import hub_offline_by_env, hub_reachable
@@ -100,18 +100,27 @@ def _check_weights_format(source: ModelSource, allow_pickle: bool) -> None:
     raise ModelLoadError(f"model directory '{source.spec}' has no weight files")
 
 
+def check_local_weights(source: ModelSource, allow_pickle: bool = False) -> None:
+    """Refuse a local checkpoint whose weights are pickle-only, missing, truncated or corrupt (reads no tensors)."""
+    _check_weights_format(source, allow_pickle)
+    if source.path is not None:  # a truncated or corrupt shard becomes one clean error, not a Rust traceback
+        validate_safetensors_dir(source.path)
+
+
 def load_config(spec: str, *, trust_remote_code: bool = False, reporter: Reporter | None = None):
     """Load only a model's config: from a config.json, a directory, a hub id or a .gguf file."""
     from transformers import AutoConfig
 
     register_auto_classes()
 
+    from huggingface_hub.errors import StrictDataclassError
+
     source = resolve_spec(spec, reporter)
     check_hub_reachable(source)
     name, kwargs = source.load_args
     try:
         return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code, **kwargs)
-    except (OSError, ValueError, KeyError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError, StrictDataclassError) as exc:
         raise ModelLoadError(f"could not read the config of '{spec}': {_first_line(exc)}") from exc
 
 
@@ -136,9 +145,7 @@ def load_model(spec: str | ModelSource, *, dtype: str = "float32", allow_pickle:
 
     source = spec if isinstance(spec, ModelSource) else resolve_spec(spec, reporter)
     check_hub_reachable(source)
-    _check_weights_format(source, allow_pickle)
-    if source.path is not None:  # a truncated or corrupt shard becomes one clean error, not a Rust traceback
-        validate_safetensors_dir(source.path)
+    check_local_weights(source, allow_pickle)
     name, kwargs = source.load_args
     if source.kind in ("directory", "alias", "hub") and not allow_pickle:
         kwargs["use_safetensors"] = True
@@ -153,6 +160,15 @@ def load_model(spec: str | ModelSource, *, dtype: str = "float32", allow_pickle:
     return LoadedModel(model, tokenizer, source)
 
 
+def check_finite_weights(model, spec: str) -> None:
+    """Refuse a model with a NaN or infinite weight: every score or loss computed from it would be NaN."""
+    import torch
+
+    for name, tensor in model.state_dict().items():
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise NonFiniteError(f"model '{spec}' has NaN or infinite values in '{name}'")
+
+
 def forget_gguf_quantization(model) -> None:
     """A dequantised GGUF is a plain float model: drop the quantiser so it saves like one."""
     quant = getattr(model.config, "quantization_config", None)
@@ -163,7 +179,11 @@ def forget_gguf_quantization(model) -> None:
 
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0][:300]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    # huggingface_hub's validation errors put the reason on the line after "... validation error for ...:"
+    if len(lines) > 1 and lines[0].endswith(":"):
+        return f"{lines[0]} {lines[1]}"[:300]
+    return lines[0][:300]
 
 
 def describe_source(source: ModelSource) -> str:

@@ -9,6 +9,7 @@ parent's runtime. Memory sizes follow the one rule of `core.sizes`: a bare numbe
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +27,13 @@ def _split(text: str, what: str, example: str) -> tuple[float, str]:
     match = re.fullmatch(_NUMBER + r"\s*([a-zµ/]*)", str(text).strip().lower().replace("_", "").replace(",", ""))
     if not match:
         raise InputError(f"cannot parse {what} '{text}' (e.g. {example})")
-    return float(match.group(1)), match.group(2)
+    return _finite(float(match.group(1)), what, text), match.group(2)
+
+
+def _finite(value: float, what: str, text: object) -> float:
+    if not math.isfinite(value):  # '1e400', or '1e305k' once scaled, overflows to inf: no budget means that
+        raise InputError(f"{what} '{text}' is too large")
+    return value
 
 
 def parse_memory_mib(text: str | float) -> float:
@@ -42,7 +49,7 @@ def parse_time_ms(text: str | float) -> float:
     value, unit = _split(str(text), "time", "500ms, 2s")
     if unit not in _TIME_UNITS:
         raise InputError(f"unknown time unit '{unit}' in '{text}' (use us, ms, s, min)")
-    return value * _TIME_UNITS[unit]
+    return _finite(value * _TIME_UNITS[unit], "time", text)
 
 
 def parse_count(text: str | float) -> float:
@@ -50,7 +57,7 @@ def parse_count(text: str | float) -> float:
     value, unit = _split(str(text), "count", "7B, 500M, 1.2e9")
     if unit not in _COUNT_UNITS:
         raise InputError(f"unknown count suffix '{unit}' in '{text}' (use K, M, B, T)")
-    return value * _COUNT_UNITS[unit]
+    return _finite(value * _COUNT_UNITS[unit], "count", text)
 
 
 @dataclass(frozen=True)
@@ -72,7 +79,7 @@ class Throughput:
         value, unit = _split(raw, "throughput", "2x, 5000, 5000tok/s, 5k")
         if unit not in ("", "k", "m"):
             raise InputError(f"cannot parse throughput '{text}' (e.g. 2x, 5000, 5000tok/s)")
-        value *= _COUNT_UNITS[unit]
+        value = _finite(value * _COUNT_UNITS[unit], "throughput", text)
         if value <= 0:
             raise InputError(f"throughput must be positive (got '{text}')")
         return cls(tokens_per_s=value)

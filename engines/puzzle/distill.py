@@ -35,10 +35,11 @@ from mlxkit.engines.core.paths import cache_dir
 from mlxkit.engines.core.progress import Reporter
 from mlxkit.engines.core.seeds import derive_seed
 from mlxkit.engines.data.sampled import model_fingerprint
+from mlxkit.engines.data.text import check_data_path
 from mlxkit.engines.errors import InputError
 from mlxkit.engines.models.decilm.blocks import AttentionVariant, FFNVariant, ParentShape, parent_attention, parent_ffn
 from mlxkit.engines.models.decilm.convert import from_parent
-from mlxkit.engines.models.loading import load_model
+from mlxkit.engines.models.loading import check_finite_weights, load_model
 from mlxkit.engines.puzzle import activations
 from mlxkit.engines.puzzle.block_init import initialise
 from mlxkit.engines.puzzle.bld import train_subblock
@@ -85,6 +86,10 @@ def run_distill(options: DistillOptions, reporter: Reporter | None = None) -> di
     started = time.time()
     dist = Distributed.from_env()
     try:
+        if options.out.exists() and not options.out.is_dir():
+            raise InputError(f"--out '{options.out}' is a file; a block library is a directory")
+        if options.data is not None:  # before the run key is written: a typo leaves no half-started library
+            check_data_path(options.data)
         library = LibraryDir(options.out)
         if options.score_only:
             read_library(options.out)  # must exist and validate
@@ -115,6 +120,7 @@ def run_distill(options: DistillOptions, reporter: Reporter | None = None) -> di
 
 def _load_parent(options: DistillOptions, reporter: Reporter):
     loaded = load_model(options.model, allow_pickle=options.allow_pickle, reporter=reporter)
+    check_finite_weights(loaded.model, options.model)
     loaded.model.config._attn_implementation = "sdpa"
     parent = from_parent(loaded.model)
     parent.config._attn_implementation = "sdpa"

@@ -49,7 +49,7 @@ class SearchOptions:
     out: Path | None
     target: str = "h100"
     model: str = "smollm2-135m"
-    recipe: str = "quick"
+    recipe: str | None = None  # the library recipe (default "quick"); only when no --library is given
     library: Path | None = None
     data: Path | None = None
     throughput: str | None = None
@@ -73,6 +73,12 @@ class SearchOptions:
     gkd_recipe: str = "gkd"
     gkd_overrides: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if self.library is not None and self.recipe is not None:
+            # The recipe fixes the search space of a library to build; a given library has its own.
+            raise InputError(f"--recipe '{self.recipe}' builds a block library; --library '{self.library}' "
+                             "already fixes the search space, so drop one of them")
+
 
 def budgets_of(options: SearchOptions) -> tuple[Budgets, bool]:
     """The user's budgets; with none given, a 1.5x throughput target (and say so)."""
@@ -85,6 +91,33 @@ def budgets_of(options: SearchOptions) -> tuple[Budgets, bool]:
 
 # --------------------------------------------------------------------------- pricing without weights
 
+_SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+
+
+def _require_written_shape(model: str) -> None:
+    """A local config.json must state the widths: transformers fills missing ones with Llama-7B defaults."""
+    import json
+    from types import SimpleNamespace
+
+    from mlxkit.engines.models.decilm.blocks import check_shape_fields
+    from mlxkit.engines.models.loading import resolve_spec
+
+    source = resolve_spec(model)
+    if source.kind != "directory" or source.path is None:
+        return
+    try:
+        written = json.loads((source.path / "config.json").read_text())
+    except ValueError:
+        return  # load_config reports the parse error
+    if not isinstance(written, dict):
+        return
+    missing = [key for key in _SHAPE_KEYS if key not in written]
+    if missing:
+        raise InputError(f"'{model}' does not state {', '.join(missing)}; refusing to price default "
+                         "(Llama-7B) widths")
+    check_shape_fields(SimpleNamespace(**written))
+
+
 def costs_only(model: str, target: str, scenario_text: str | None, recipe_name: str,
                reporter: Reporter | None = None) -> dict[str, Any]:
     """Price every variant of the recipe's search space from the model's config alone."""
@@ -93,6 +126,7 @@ def costs_only(model: str, target: str, scenario_text: str | None, recipe_name: 
     from mlxkit.engines.puzzle.recipe import load_recipe
     from mlxkit.engines.puzzle.search_space import build_search_space
 
+    _require_written_shape(model)
     config = load_config(model, reporter=reporter)
     check_parent(config)
     shape = ParentShape.from_config(config)
@@ -205,7 +239,7 @@ def _library(options: SearchOptions, reporter: Reporter) -> tuple[Path, BlockLib
         if not options.library.exists():
             raise InputError(f"library '{options.library}' does not exist")
         return options.library, read_library(options.library)
-    path = ensure_library(options.model, options.recipe, data=options.data, seed=options.seed,
+    path = ensure_library(options.model, options.recipe or "quick", data=options.data, seed=options.seed,
                           allow_pickle=options.allow_pickle, reporter=reporter)
     return path, read_library(path)
 
@@ -319,7 +353,7 @@ def _build_child(options: SearchOptions, library_path: Path, library: BlockLibra
     manifest.seeds = {"seed": options.seed}
     manifest.settings = {"target": profile.name, "scenario": scenario.to_dict(), "budgets": result["budgets"],
                          "caps": result["caps"], "metric": options.metric, "costs": options.costs,
-                         "recipe": options.recipe}
+                         "recipe": None if options.library is not None else options.recipe or "quick"}
     manifest.results = {"objective": result["objective"], "predicted": result["predicted"],
                         "choices": result["choices"], "evaluation": evaluation, "num_params": n_params}
     child.generation_config = loaded.model.generation_config

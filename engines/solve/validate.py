@@ -303,4 +303,6 @@ def rhs_matrix(b, n: int, source: str | None = None, *,
                              f"(expected [{n}] or [{n}, C])")
     if b.ndim == 2 and b.shape[1] == 0:
         raise _error(source, "right-hand side has no columns")
+    if n == 0:
+        raise _error(source, "right-hand side is empty")
     return b.reshape(n, -1), b.shape

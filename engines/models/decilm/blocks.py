@@ -35,6 +35,7 @@ class ParentShape:
 
     @classmethod
     def from_config(cls, config: Any) -> "ParentShape":
+        check_shape_fields(config)
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         block_configs = getattr(config, "block_configs", None)
@@ -52,6 +53,27 @@ class ParentShape:
             vocab_size=config.vocab_size,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         )
+
+
+def check_shape_fields(config: Any) -> None:
+    """Refuse a config whose widths are missing, non-integer, non-positive or do not divide (no ZeroDivisionError)."""
+    def count(name: str, required: bool = True) -> int | None:
+        value = getattr(config, name, None)
+        if value is None and not required:
+            return None
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise InputError(f"config field {name} must be a positive integer (got {value!r})")
+        return value
+
+    for name in ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size"):
+        count(name)
+    heads, kv_heads = count("num_attention_heads"), count("num_key_value_heads", required=False)
+    head_dim = count("head_dim", required=False)
+    if head_dim is None and config.hidden_size % heads:
+        raise InputError(f"config hidden_size {config.hidden_size} is not divisible by "
+                         f"num_attention_heads {heads}")
+    if kv_heads is not None and heads % kv_heads:
+        raise InputError(f"config num_attention_heads {heads} is not divisible by num_key_value_heads {kv_heads}")
 
 
 @dataclass(frozen=True, order=True)

@@ -1,0 +1,396 @@
+"""Issue #14: curated bad and edge inputs for every verb, run through the CLI.
+
+Each case must end in a non-zero exit code, exactly one `error:` line, no traceback, and no
+output or temporary file left behind. A sample is rerun with `--json` and must print one
+parseable `{"error": {...}}` object on stdout. RELIABILITY.md lists every case and its outcome.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from conftest import TINY_PUZZLE_RECIPE, make_char_tokenizer, make_tiny_llama
+from mlxkit.cli.main import app
+
+runner = CliRunner()
+
+
+# ---------------------------------------------------------------------------------------------
+# A module-wide workspace: one tiny model, one corpus, one built library; each case copies what it breaks.
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("reliability")
+    model = root / "tiny"
+    make_tiny_llama().save_pretrained(model)
+    make_char_tokenizer().save_pretrained(model)
+    text = root / "text.txt"
+    text.write_text("".join(f"Line {i}: the quick brown fox jumps over the lazy dog {i * 7 % 13}.\n"
+                            for i in range(400)))
+    recipe = root / "tiny.yaml"
+    recipe.write_text(TINY_PUZZLE_RECIPE)
+    lib = root / "lib"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MLXKIT_CACHE", str(root / "cache"))
+        built = runner.invoke(app, ["distill", "--bld", "--model", str(model), "--recipe", str(recipe),
+                                    "--data", str(text), "--out", str(lib), "--quiet"])
+    assert built.exit_code == 0, built.output
+    wide = root / "wide"  # same vocabulary, a different hidden size
+    make_tiny_llama(hidden_size=48, num_attention_heads=4, num_key_value_heads=2).save_pretrained(wide)
+    make_char_tokenizer().save_pretrained(wide)
+    return {"root": root, "model": model, "text": text, "recipe": recipe, "lib": lib, "wide": wide}
+
+
+def _copy_model(ws, name: str) -> Path:
+    out = ws["case"] / name
+    shutil.copytree(ws["model"], out)
+    return out
+
+
+def _rewrite_header(path: Path, edit=None, raw: bytes | None = None) -> None:
+    """Rewrite a safetensors header in place: `edit(header)` mutates the parsed JSON, or `raw` replaces it."""
+    blob = path.read_bytes()
+    (length,) = struct.unpack("<Q", blob[:8])
+    header, data = json.loads(blob[8:8 + length]), blob[8 + length:]
+    if raw is None:
+        edit(header)
+        raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+
+
+def _first_tensor(header: dict) -> dict:
+    return next(v for k, v in header.items() if k != "__metadata__")
+
+
+def _model_with(ws, how: str) -> Path:
+    """A copy of the tiny model, broken in one way."""
+    out = _copy_model(ws, f"model-{how}")
+    weights = out / "model.safetensors"
+    if how == "truncated":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif how == "dtype-span":
+        _rewrite_header(weights, lambda h: _first_tensor(h).update(dtype="F16"))
+    elif how == "negative-count":
+        _rewrite_header(weights, lambda h: _first_tensor(h).update(shape=[-1, 32]))
+    elif how == "unknown-dtype":
+        _rewrite_header(weights, lambda h: _first_tensor(h).update(dtype="F33"))
+    elif how == "non-utf8":
+        _rewrite_header(weights, raw=b'{"\xff\xfe": 1}')
+    elif how == "non-string-key":
+        _rewrite_header(weights, raw=b'{1: {"dtype": "F32", "shape": [], "data_offsets": [0, 4]}}')
+    elif how in ("nan", "one-nan"):
+        tensors = load_file(weights)
+        name = "model.layers.0.mlp.down_proj.weight"
+        if how == "nan":
+            tensors[name] = torch.full_like(tensors[name], float("nan"))
+        else:
+            tensors[name][0, 0] = float("nan")
+        save_file(tensors, weights, metadata={"format": "pt"})
+    elif how == "bad-config":
+        (out / "config.json").write_text('{"model_type": "llama", "hidden_size": ')
+    else:
+        raise AssertionError(how)
+    return out
+
+
+def _config(ws, name: str, **changes) -> Path:
+    config = json.loads((ws["model"] / "config.json").read_text())
+    for key, value in changes.items():
+        if value is _DROP:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    path = ws["case"] / name / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(config))
+    return path
+
+
+_DROP = object()
+
+
+def _library(ws, name: str, edit) -> Path:
+    """A copy of the built library with library.json edited."""
+    out = ws["case"] / name
+    shutil.copytree(ws["lib"], out)
+    data = json.loads((out / "library.json").read_text())
+    edit(data)
+    (out / "library.json").write_text(json.dumps(data))
+    return out
+
+
+def _nvlabs(ws, name: str, edit) -> Path:
+    source = Path(__file__).parent / "fixtures" / "nvlabs_library_small.json"
+    data = json.loads(source.read_text())
+    edit(data)
+    path = ws["case"] / f"{name}.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def _set_first_block(data: dict, section: str, key: str, value) -> None:
+    first = next(iter(data["layer_0"].values()))
+    first[section][key] = value
+
+
+def _npz_grid(ws) -> Path:
+    import scipy.sparse as sp
+
+    path = ws["case"] / "lap.npz"
+    n = 4
+    lap = sp.diags([4.0] * (n * n)) - sp.eye(n * n, k=1) - sp.eye(n * n, k=-1)
+    matrix = lap.tocsr()
+    np.savez(path, data=matrix.data, indices=matrix.indices, indptr=matrix.indptr, format=b"csr",
+             shape=np.array(matrix.shape), b=np.ones(n * n))
+    return path
+
+
+def _write(ws, name: str, text: str) -> Path:
+    path = ws["case"] / name
+    path.write_text(text)
+    return path
+
+
+def _text_as(ws, name: str) -> Path:
+    path = ws["case"] / name
+    path.write_text("this is plain text, not an archive\n")
+    return path
+
+
+def _existing_file(ws) -> Path:
+    path = ws["case"] / "taken"
+    path.write_text("an existing file\n")
+    return path
+
+
+def _student_kd(ws, extra):
+    return ["--teacher", str(ws["model"]), "--student", str(ws["model"]), "--data", str(ws["text"]),
+            "--tokens", "256", *extra]
+
+
+M, T, OUT = "{model}", "{text}", "{out}"
+
+# (id, args builder, words the error line must contain (case-insensitive), words it must not contain)
+CASES = [
+    # ---- eval
+    ("eval-truncated", lambda w: ["eval", str(_model_with(w, "truncated")), "--data", str(w["text"])], ["truncated"], []),
+    ("eval-dtype-span", lambda w: ["eval", str(_model_with(w, "dtype-span"))], ["needs"], []),
+    ("eval-negative-count", lambda w: ["eval", str(_model_with(w, "negative-count"))], ["shape"], []),
+    ("eval-unknown-dtype", lambda w: ["eval", str(_model_with(w, "unknown-dtype"))], ["unknown dtype"], []),
+    ("eval-non-utf8-header", lambda w: ["eval", str(_model_with(w, "non-utf8"))], ["utf-8"], []),
+    ("eval-non-string-key", lambda w: ["eval", str(_model_with(w, "non-string-key"))], ["json"], []),
+    ("eval-nan-weights", lambda w: ["eval", str(_model_with(w, "nan")), "--data", str(w["text"]),
+                                    "--max-tokens", "64", "--seq-len", "32"], ["not finite"], []),
+    ("eval-bad-config", lambda w: ["eval", str(_model_with(w, "bad-config"))], ["config.json"], []),
+    ("eval-hub-offline", lambda w: ["eval", "m/nonexistent"], ["m/nonexistent"], []),
+    ("eval-missing-data", lambda w: ["eval", str(w["model"]), "--data", str(w["case"] / "missing.txt")],
+     ["missing.txt"], []),
+    # ---- fetch
+    ("fetch-truncated", lambda w: ["fetch", str(_model_with(w, "truncated"))], ["truncated"], ["ready"]),
+    ("fetch-hub-offline", lambda w: ["fetch", "m/nonexistent"], ["m/nonexistent"], []),
+    ("fetch-missing-gguf", lambda w: ["fetch", str(w["case"] / "nowhere.gguf")], ["nowhere.gguf"], []),
+    ("fetch-text-as-gguf", lambda w: ["fetch", str(_text_as(w, "fake.gguf"))], ["fake.gguf"], []),
+    # ---- recipes
+    ("recipes-extra-arg", lambda w: ["recipes", "nosuch"], [], []),
+    # ---- distill --bld
+    ("bld-truncated", lambda w: ["distill", "--bld", "--model", str(_model_with(w, "truncated")), "--recipe",
+                                 str(w["recipe"]), "--data", str(w["text"]), "--out", OUT], ["truncated"], []),
+    ("bld-one-nan-weight", lambda w: ["distill", "--bld", "--model", str(_model_with(w, "one-nan")), "--recipe",
+                                      str(w["recipe"]), "--data", str(w["text"]), "--out", OUT], ["nan or infinite"], []),
+    ("bld-missing-data", lambda w: ["distill", "--bld", "--model", str(w["model"]), "--recipe", str(w["recipe"]),
+                                    "--data", str(w["case"] / "missing.txt"), "--out", OUT], ["missing.txt"], []),
+    ("bld-bad-recipe-yaml", lambda w: ["distill", "--bld", "--model", str(w["model"]), "--recipe",
+                                       str(_write(w, "bad.yaml", "a: [1,\n")),
+                                       "--data", str(w["text"]), "--out", OUT], ["bad.yaml"], []),
+    ("bld-recipe-unknown-field", lambda w: ["distill", "--bld", "--model", str(w["model"]), "--recipe",
+                                            str(_write(w, "x.yaml", TINY_PUZZLE_RECIPE + "bogus: 1\n")),
+                                            "--data", str(w["text"]), "--out", OUT], ["bogus"], []),
+    ("bld-out-existing-file", lambda w: ["distill", "--bld", "--model", str(w["model"]), "--recipe",
+                                         str(w["recipe"]), "--data", str(w["text"]), "--out", str(_existing_file(w))],
+     ["taken"], []),
+    ("bld-no-mode", lambda w: ["distill", "--model", str(w["model"]), "--out", OUT], [], []),
+    # ---- distill --gkd / --kd
+    ("gkd-out-existing-file", lambda w: ["distill", "--gkd", *_student_kd(w, ["--out", str(_existing_file(w))])],
+     ["taken"], []),
+    ("kd-out-existing-file", lambda w: ["distill", "--kd", *_student_kd(w, ["--out", str(_existing_file(w))])],
+     ["taken"], []),
+    ("kd-wider-student", lambda w: ["distill", "--kd", "--teacher", str(w["model"]), "--student", str(w["wide"]),
+                                    "--data", str(w["text"]), "--tokens", "256", "--out", OUT], [], []),
+    ("gkd-wider-student", lambda w: ["distill", "--gkd", "--teacher", str(w["model"]), "--student", str(w["wide"]),
+                                     "--data", str(w["text"]), "--tokens", "256", "--out", OUT], ["hidden"],
+     ["vocab"]),
+    ("kd-truncated-teacher", lambda w: ["distill", "--kd", "--teacher", str(_model_with(w, "truncated")),
+                                        "--student", str(w["model"]), "--data", str(w["text"]), "--tokens", "256",
+                                        "--out", OUT], ["truncated"], []),
+    ("kd-bad-set", lambda w: ["distill", "--kd", *_student_kd(w, ["--set", "no.such.field=1", "--out", OUT])],
+     ["no.such.field"], []),
+    ("kd-set-nan-lr", lambda w: ["distill", "--kd", *_student_kd(w, ["--set", "optim.lr=nan", "--out", OUT])],
+     ["lr"], []),
+    # ---- search
+    ("costs-zero-heads", lambda w: ["search", "--costs-only", "--model", str(_config(w, "c0", num_attention_heads=0)),
+                                    "--target", "h100"], ["num_attention_heads"], []),
+    ("costs-text-hidden", lambda w: ["search", "--costs-only", "--model", str(_config(w, "c1", hidden_size="big")),
+                                     "--target", "h100"], ["hidden_size"], []),
+    ("costs-heads-not-dividing", lambda w: ["search", "--costs-only", "--model",
+                                            str(_config(w, "c2", num_attention_heads=5)), "--target", "h100"],
+     ["divisible"], []),
+    ("costs-missing-hidden", lambda w: ["search", "--costs-only", "--model", str(_config(w, "c3", hidden_size=_DROP)),
+                                        "--target", "h100"], ["hidden_size"], []),
+    ("costs-kv-not-dividing", lambda w: ["search", "--costs-only", "--model",
+                                         str(_config(w, "c4", num_key_value_heads=3)), "--target", "h100"], [], []),
+    ("costs-not-json", lambda w: ["search", "--costs-only", "--model", str(_text_as(w, "config.json")),
+                                  "--target", "h100"], ["config.json"], []),
+    ("library-no-layers", lambda w: ["search", "--library", str(_library(w, "l0", lambda d: d.pop("layers"))),
+                                     "--target", "cpu", "--dry-run"], ["layers"], []),
+    ("library-layer-no-ffn", lambda w: ["search", "--library", str(_library(w, "l1", lambda d: d["layers"][0].pop("ffn"))),
+                                        "--target", "cpu", "--dry-run"], ["ffn"], []),
+    ("library-unknown-version", lambda w: ["search", "--library", str(_library(w, "l2", lambda d: d.update(version=99))),
+                                           "--target", "cpu", "--dry-run"], ["version"], []),
+    ("library-nan-score", lambda w: ["search", "--library", str(_library(
+        w, "l3", lambda d: d["layers"][0]["ffn"]["ffn32"]["metrics"].update(kl_div=float("nan")))),
+        "--target", "cpu", "--dry-run"], [], []),
+    ("nvlabs-negative-runtime", lambda w: ["search", "--library", str(_nvlabs(
+        w, "n0", lambda d: _set_first_block(d, "stats", "runtime_ms", -5.0))), "--costs", "library",
+        "--throughput", "1.2x", "--dry-run"], [], []),
+    ("nvlabs-nan-score", lambda w: ["search", "--library", str(_nvlabs(
+        w, "n1", lambda d: _set_first_block(d, "metrics", "kl_div", float("nan")))), "--costs", "library",
+        "--throughput", "1.2x", "--dry-run"], [], []),
+    ("library-with-recipe", lambda w: ["search", "--library", str(w["lib"]), "--recipe", "standard",
+                                       "--target", "cpu", "--dry-run"], ["--recipe"], []),
+    ("search-bad-throughput", lambda w: ["search", "--target", "cpu", "--library", str(w["lib"]),
+                                         "--throughput", "fast", "--dry-run"], ["throughput"], []),
+    ("search-bad-memory", lambda w: ["search", "--target", "cpu", "--library", str(w["lib"]),
+                                     "--memory", "12XB", "--dry-run"], ["XB"], []),
+    ("search-bad-scenario", lambda w: ["search", "--target", "cpu", "--library", str(w["lib"]),
+                                       "--scenario", "batch=abc", "--dry-run"], ["batch"], []),
+    ("search-unknown-target", lambda w: ["search", "--target", "tpu9", "--library", str(w["lib"]), "--dry-run"],
+     ["tpu9"], []),
+    ("search-throughput-nan", lambda w: ["search", "--target", "cpu", "--library", str(w["lib"]),
+                                         "--throughput", "nanx", "--dry-run"], [], []),
+    # ---- calibrate
+    ("calibrate-seq-too-long", lambda w: ["calibrate", "--model", str(w["model"]), "--seq", "100000", "--out", OUT + ".yaml"],
+     ["256"], []),
+    ("calibrate-clock-sundial", lambda w: ["calibrate", "--model", str(w["model"]), "--clock", "sundial",
+                                           "--out", OUT + ".yaml"], ["sundial"], ["threads"]),
+    ("calibrate-truncated", lambda w: ["calibrate", "--model", str(_model_with(w, "truncated")), "--out", OUT + ".yaml"],
+     ["truncated"], []),
+    ("calibrate-bad-batch", lambda w: ["calibrate", "--model", str(w["model"]), "--batch", "abc", "--out", OUT + ".yaml"],
+     ["abc"], []),
+    ("calibrate-bad-dtype", lambda w: ["calibrate", "--model", str(w["model"]), "--dtype", "float8", "--out", OUT + ".yaml"],
+     ["float8"], []),
+    ("calibrate-dtype-span", lambda w: ["calibrate", "--model", str(_model_with(w, "dtype-span")), "--out", OUT + ".yaml"],
+     [], []),
+    # ---- merge
+    *[(f"merge-density-{v}", (lambda v: lambda w: ["merge", "--method", "ties", str(w["model"]), str(w["model"]),
+                                                    "--base", str(w["model"]), "--param", f"density={v}", "-o", OUT])(v),
+       ["density"], []) for v in ("nan", "abc", "-1", "2")],
+    ("merge-weight-abc", lambda w: ["merge", "--method", "linear", str(w["model"]), str(w["model"]),
+                                    "--param", "weight=abc", "-o", OUT], ["weight"], []),
+    ("merge-alpha-nan", lambda w: ["merge", "--method", "task-arithmetic", str(w["model"]), "--base", str(w["model"]),
+                                   "--alpha", "nan", "-o", OUT], ["alpha"], []),
+    ("merge-alpha-huge", lambda w: ["merge", "--method", "task-arithmetic", str(w["model"]), "--base", str(w["model"]),
+                                    "--alpha", "1e308", "-o", OUT], ["alpha"], []),
+    ("merge-base-bad-config", lambda w: ["merge", "--isotropic", str(w["model"]), str(_copy_model(w, "ft-b")),
+                                         "--base", str(_model_with(w, "bad-config")), "-o", OUT], ["config.json"], []),
+    ("merge-truncated-model", lambda w: ["merge", "--method", "task-arithmetic", str(_model_with(w, "truncated")),
+                                         "--base", str(w["model"]), "-o", OUT], ["truncated"], []),
+    ("merge-nan-model", lambda w: ["merge", "--method", "task-arithmetic", str(_model_with(w, "nan")),
+                                   "--base", str(w["model"]), "-o", OUT], ["nan or infinite"], []),
+    ("merge-bad-shard-size", lambda w: ["merge", "--method", "task-arithmetic", str(w["model"]), "--base",
+                                        str(w["model"]), "--max-shard-size", "lots", "-o", OUT], ["lots"], []),
+    ("merge-unknown-method", lambda w: ["merge", "--method", "nosuch", str(w["model"]), "--base", str(w["model"]),
+                                        "-o", OUT], ["nosuch"], []),
+    ("merge-wider-model", lambda w: ["merge", "--method", "task-arithmetic", str(w["wide"]), "--base",
+                                     str(w["model"]), "-o", OUT], [], []),
+    # ---- solve
+    ("solve-text-as-npz", lambda w: ["solve", str(_text_as(w, "sys.npz")), "--out", OUT + ".npz"], ["zip"], []),
+    ("solve-grid-overflow", lambda w: ["solve", str(_npz_grid(w)), "--grid", "99999999999x99999999999",
+                                       "--out", OUT + ".npz"], ["grid"], []),
+    ("solve-grid-abc", lambda w: ["solve", str(_npz_grid(w)), "--grid", "abc", "--out", OUT + ".npz"], ["abc"], []),
+    ("solve-grid-mismatch", lambda w: ["solve", str(_npz_grid(w)), "--grid", "3x3", "--out", OUT + ".npz"], [], []),
+    ("solve-missing-file", lambda w: ["solve", str(w["case"] / "none.npz")], ["none.npz"], []),
+    ("solve-bad-method", lambda w: ["solve", str(_npz_grid(w)), "--method", "magic"], ["magic"], []),
+    # ---- finetune
+    ("finetune-missing-data", lambda w: ["finetune", "--model", str(w["model"]), "--data",
+                                         str(w["case"] / "missing.txt"), "--out", OUT], ["missing.txt"], []),
+    ("finetune-steps-zero", lambda w: ["finetune", "--model", str(w["model"]), "--data", str(w["text"]),
+                                       "--steps", "0", "--out", OUT], ["steps"], []),
+    ("finetune-lr-nan", lambda w: ["finetune", "--model", str(w["model"]), "--data", str(w["text"]),
+                                   "--lr", "nan", "--out", OUT], ["lr"], []),
+    ("finetune-truncated", lambda w: ["finetune", "--model", str(_model_with(w, "truncated")), "--data",
+                                      str(w["text"]), "--out", OUT], ["truncated"], []),
+    ("finetune-bad-objective", lambda w: ["finetune", "--model", str(w["model"]), "--data", str(w["text"]),
+                                          "--objective", "poetry", "--out", OUT], ["objective"], []),
+    ("finetune-out-existing-file", lambda w: ["finetune", "--model", str(w["model"]), "--data", str(w["text"]),
+                                              "--steps", "1", "--out", str(_existing_file(w))], ["taken"], []),
+    ("finetune-unknown-recipe", lambda w: ["finetune", "--model", str(w["model"]), "--data", str(w["text"]),
+                                           "--recipe", "nosuch", "--out", OUT], ["nosuch"], []),
+]
+
+# Cases rerun with --json: the error must also be one parseable object on stdout.
+JSON_SAMPLE = {"eval-truncated", "eval-nan-weights", "fetch-truncated", "bld-missing-data", "gkd-out-existing-file",
+               "costs-missing-hidden", "library-no-layers", "calibrate-seq-too-long", "merge-density-nan",
+               "solve-text-as-npz", "finetune-lr-nan"}
+
+
+def _temporaries(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if ".tmp-" in p.name]
+
+
+def _run_case(ws, tmp_path, build, extra=()):
+    case = tmp_path / "case"
+    case.mkdir(exist_ok=True)
+    ws = dict(ws, case=case)
+    out = tmp_path / "out"
+    args = [a.replace(OUT, str(out)) if a.startswith(OUT) else a for a in build(ws)]
+    before = set(case.rglob("*"))
+    result = runner.invoke(app, [*args, *extra])
+    return result, out, case, before
+
+
+@pytest.mark.parametrize("name,build,must,must_not", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_error_line(ws, tmp_path, name, build, must, must_not):
+    result, out, case, before = _run_case(ws, tmp_path, build)
+    assert result.exit_code != 0, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, result.output
+    assert "Traceback" not in result.output
+    message = lines[0].lower()
+    for word in must:
+        assert word.lower() in message, lines[0]
+    for word in must_not:
+        assert word.lower() not in message, lines[0]
+    assert ".tmp-" not in message, lines[0]  # never name an internal temporary
+    assert not list(tmp_path.glob("out*"))
+    assert not _temporaries(tmp_path) and not _temporaries(ws["root"])
+    assert set(case.rglob("*")) == before  # nothing written beside the inputs either
+
+
+@pytest.mark.parametrize("name,build", [(c[0], c[1]) for c in CASES if c[0] in JSON_SAMPLE],
+                         ids=[c[0] for c in CASES if c[0] in JSON_SAMPLE])
+def test_bad_input_with_json_is_one_error_object(ws, tmp_path, name, build):
+    result, out, _, _ = _run_case(ws, tmp_path, build, extra=["--json"])
+    assert result.exit_code != 0
+    payload = json.loads(result.stdout)
+    assert set(payload) == {"error"} and payload["error"]["exit_code"] == result.exit_code
+    assert payload["error"]["message"] and "Traceback" not in result.output
+    assert not list(tmp_path.glob("out*"))
+
+
+def test_bld_missing_data_leaves_no_run_file(ws, tmp_path):
+    out = tmp_path / "lib"
+    result = runner.invoke(app, ["distill", "--bld", "--model", str(ws["model"]), "--recipe", str(ws["recipe"]),
+                                 "--data", str(tmp_path / "missing.txt"), "--out", str(out)])
+    assert result.exit_code != 0
+    assert not (out / ".work" / "run.json").exists() and not out.exists()
