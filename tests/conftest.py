@@ -176,3 +176,15 @@ def tiny_layer0_states(n: int = 6, seq_len: int = 24):
         mid = h + layer.attention_delta(h, pos)
         out = mid + layer.ffn_delta(mid)
     return parent, pos, h, mid, out
+
+
+def lp_terms(expression: str) -> dict[str, float]:
+    """`{variable: coefficient}` of a linear expression as PuLP's writeLP prints it."""
+    import re
+
+    terms = {}
+    for sign, coefficient, name in re.findall(r"([-+]?)\s*([0-9.e+-]*)\s+([A-Za-z_][A-Za-z0-9_]*)",
+                                              " " + " ".join(expression.split())):
+        value = float(coefficient) if coefficient else 1.0
+        terms[name] = -value if sign == "-" else value
+    return terms

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from test_export_support import (ROPE_THETA, agreement, deci_reference_logits, make_child_dir, make_parent_dir,
-                                 make_qwen2_parent_dir, token_ids, torch_logits)
+from test_export_support import (ROPE_THETA, agreement, deci_reference_logits, export_literal_and_faithful,
+                                 make_child_dir, make_parent_dir, make_qwen2_parent_dir, token_ids, torch_logits)
 
 from mlxkit.engines.errors import InputError
-from mlxkit.engines.export import export_model, gguf_manifest_path, plan_export, run_export
+from mlxkit.engines.export import export_model, gguf_manifest_path
 
 
 def _reader(path):
@@ -106,13 +106,7 @@ def test_logits_of_the_deci_graph_match_torch(tmp_path, dtype, top1_min, rel_max
 
 def test_literal_encoding_would_lose_the_attention_of_ffn_free_layers(tmp_path):
     """Why the zero FFN: with FFN length 0 the deci graph drops the layer's attention output."""
-    import dataclasses
-
-    child = make_child_dir(tmp_path / "child", names=("kv2+ffn256", "kv1+no_op", "kv2+ffn256"))
-    plan = plan_export(str(child), "gguf", tmp_path / "literal.gguf")
-    literal = tuple(dataclasses.replace(g, n_ff=0, ffn="none") if g.ffn == "zero" else g for g in plan.gguf_layers)
-    run_export(dataclasses.replace(plan, gguf_layers=literal))
-    export_model(child, "gguf", tmp_path / "faithful.gguf")
+    child = export_literal_and_faithful(tmp_path)
     ids = token_ids()
     expected = torch_logits(child, ids).double()
     literal_logits = torch.from_numpy(deci_reference_logits(tmp_path / "literal.gguf", ids))

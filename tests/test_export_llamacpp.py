@@ -9,7 +9,6 @@ point MLXKIT_LLAMA_CPP_DIR at that folder (or place it at ../shared/llama.cpp be
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import subprocess
 import sys
@@ -19,11 +18,11 @@ import pytest
 import torch
 
 from conftest import REPO
-from test_export_support import (TEXT, agreement, llama_cpp_logits, make_bpe_tokenizer, make_child, make_child_dir,
-                                 make_parent_dir, make_qwen2_parent_dir, make_sentencepiece_style_tokenizer,
+from test_export_support import (TEXT, agreement, export_literal_and_faithful, llama_cpp_logits, make_bpe_tokenizer,
+                                 make_child, make_child_dir, make_parent_dir, make_qwen2_parent_dir, make_sentencepiece_style_tokenizer,
                                  token_ids, torch_logits)
 
-from mlxkit.engines.export import export_model, plan_export, run_export
+from mlxkit.engines.export import export_model
 
 pytestmark = pytest.mark.llamacpp
 
@@ -65,11 +64,7 @@ def test_last_position_only_goes_through_the_last_layer(tmp_path):
 
 def test_literal_ffn_free_encoding_loses_attention_in_llama_cpp(tmp_path):
     """The reason for the zero FFN, shown in llama.cpp itself: FFN length 0 drops the layer's attention."""
-    child = make_child_dir(tmp_path / "child", names=("kv2+ffn256", "kv1+no_op", "kv2+ffn256"))
-    plan = plan_export(str(child), "gguf", tmp_path / "literal.gguf")
-    literal = tuple(dataclasses.replace(g, n_ff=0, ffn="none") if g.ffn == "zero" else g for g in plan.gguf_layers)
-    run_export(dataclasses.replace(plan, gguf_layers=literal))
-    export_model(child, "gguf", tmp_path / "faithful.gguf")
+    child = export_literal_and_faithful(tmp_path)
     ids = token_ids()
     top1_literal, rel_literal = _compare(child, tmp_path / "literal.gguf", ids)
     top1, rel = _compare(child, tmp_path / "faithful.gguf", ids)

@@ -289,3 +289,18 @@ def llama_cpp_logits(path: Path, ids: Sequence[int], *, all_positions: bool = Tr
         return np.ctypeslib.as_array(row, shape=(llm.n_vocab(),)).astype(np.float64)
     finally:
         llm.close()
+
+
+def export_literal_and_faithful(tmp_path: Path) -> Path:
+    """A child with an attention + no-op-FFN layer, exported twice: `literal.gguf` with FFN length 0
+    (what the deci graph drops the attention of) and `faithful.gguf` as `mlx export` writes it."""
+    import dataclasses
+
+    from mlxkit.engines.export import export_model, plan_export, run_export
+
+    child = make_child_dir(tmp_path / "child", names=("kv2+ffn256", "kv1+no_op", "kv2+ffn256"))
+    plan = plan_export(str(child), "gguf", tmp_path / "literal.gguf")
+    literal = tuple(dataclasses.replace(g, n_ff=0, ffn="none") if g.ffn == "zero" else g for g in plan.gguf_layers)
+    run_export(dataclasses.replace(plan, gguf_layers=literal))
+    export_model(child, "gguf", tmp_path / "faithful.gguf")
+    return child

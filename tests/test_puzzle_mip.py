@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 
+from conftest import lp_terms
 from mlxkit.engines.errors import InfeasibleError, InputError
 from mlxkit.engines.puzzle.budgets import Budgets
 from mlxkit.engines.puzzle.mip import (Group, Option, SearchProblem, Solver, SolverWarning, decoupled_problem, solve,
@@ -268,13 +269,13 @@ def test_write_lp_holds_the_objective_one_hot_rows_and_caps(tmp_path):
     text = path.read_text()
     # Binaries are named L<layer>_<kind>_<option> (these option names need no escaping).
     names = {(g.layer, g.kind, o.name): f"L{g.layer}_{g.kind}_{o.name}" for g in problem.groups for o in g.options}
-    objective = _lp_terms(text.split("Subject To")[0].split(":", 1)[1])
+    objective = lp_terms(text.split("Subject To")[0].split(":", 1)[1])
     for group in problem.groups:
         for option in group.options:
             var = names[(group.layer, group.kind, option.name)]
             assert objective.get(var, 0.0) == pytest.approx(option.score, abs=1e-9)
     cap_row = re.search(r"cap_memory_mib:(.*?)<= *([-+0-9.e]+)", text, re.S)
-    coefficients = _lp_terms(cap_row.group(1))
+    coefficients = lp_terms(cap_row.group(1))
     assert float(cap_row.group(2)) == pytest.approx(caps["memory_mib"] - problem.fixed_costs["memory_mib"])
     for group in problem.groups:
         for option in group.options:
@@ -285,11 +286,3 @@ def test_write_lp_holds_the_objective_one_hot_rows_and_caps(tmp_path):
     assert solver.solve({}).objective == pytest.approx(_brute_force(problem, {})[0], abs=1e-6)
 
 
-def _lp_terms(expression: str) -> dict[str, float]:
-    """`{variable: coefficient}` of a linear expression as PuLP's writeLP prints it."""
-    terms = {}
-    for sign, coefficient, name in re.findall(r"([-+]?)\s*([0-9.e+-]*)\s+([A-Za-z_][A-Za-z0-9_]*)",
-                                              " " + " ".join(expression.split())):
-        value = float(coefficient) if coefficient else 1.0
-        terms[name] = -value if sign == "-" else value
-    return terms

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
+from conftest import lp_terms
 import mlxkit  # noqa: F401  (registers the Auto classes)
 from mlxkit.cli.main import app
 from mlxkit.engines.hardware.costs import CostModel
@@ -151,9 +152,9 @@ def test_write_costs_and_lp_match_the_cost_model(built_library, tmp_path):
 
     text = lp_file.read_text()
     assert text.splitlines()[1] == "Minimize"
-    objective = _lp_terms(text.split("Subject To")[0].split(":", 1)[1])
+    objective = lp_terms(text.split("Subject To")[0].split(":", 1)[1])
     cap = re.search(r"cap_runtime_ms:(.*?)<= *([-+0-9.e]+)", text, re.S)
-    runtime = _lp_terms(cap.group(1))
+    runtime = lp_terms(cap.group(1))
     assert float(cap.group(2)) == pytest.approx(payload["caps"]["runtime_ms"] - cm.non_block().runtime_ms, rel=1e-9)
     variables = set(re.findall(r"^(L\d+_\w+)$", text.split("Binaries")[1], re.M))
     assert variables and variables >= set(objective) | set(runtime)
@@ -164,16 +165,6 @@ def test_write_costs_and_lp_match_the_cost_model(built_library, tmp_path):
         assert objective.get(var, 0.0) == pytest.approx(entry.metrics["kl_div"], rel=1e-9, abs=1e-12)
         assert runtime.get(var, 0.0) == pytest.approx(cost.runtime_ms, rel=1e-9)
     assert len(re.findall(r"^one_L\d+_(attention|ffn):", text, re.M)) == 4
-
-
-def _lp_terms(expression: str) -> dict[str, float]:
-    """`{variable: coefficient}` of a linear expression as PuLP's writeLP prints it."""
-    terms = {}
-    for sign, coefficient, name in re.findall(r"([-+]?)\s*([0-9.e+-]*)\s+([A-Za-z_][A-Za-z0-9_]*)",
-                                              " " + " ".join(expression.split())):
-        value = float(coefficient) if coefficient else 1.0
-        terms[name] = -value if sign == "-" else value
-    return terms
 
 
 def test_costs_library_uses_the_stats_an_mlxkit_library_records(built_library):

@@ -7,6 +7,9 @@ invalid key by its dotted path.
 
 from __future__ import annotations
 
+import os
+from importlib import resources
+from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
@@ -50,3 +53,26 @@ def validate_model(model: type[ModelT], data: Any, origin: str, error: type[Inpu
 def load_yaml_model(model: type[ModelT], text: str, origin: str, error: type[InputError] = InputError) -> ModelT:
     """Parse and validate YAML text into `model`."""
     return validate_model(model, read_yaml_mapping(text, origin, error), origin, error)
+
+
+def packaged_names(package: str) -> list[str]:
+    """The YAML files shipped in `package`, by stem."""
+    return sorted(p.name[:-5] for p in resources.files(package).iterdir() if p.name.endswith(".yaml"))
+
+
+def load_packaged_or_file(model: type[ModelT], name_or_path: str | os.PathLike, package: str, what: str,
+                          error: type[InputError] = InputError) -> ModelT:
+    """A YAML shipped in `package` by name, or a YAML file by path, validated into `model`.
+
+    `what` names the kind in messages ("recipe", "fine-tuning recipe").
+    """
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise error(f"{what} file '{path}' does not exist")
+        return load_yaml_model(model, path.read_text(), f"{what} {path}", error)
+    resource = resources.files(package) / f"{name_or_path}.yaml"
+    if not resource.is_file():
+        raise error(f"unknown {what} '{name_or_path}' (available: {', '.join(packaged_names(package))}, "
+                    "or a path to a YAML file)")
+    return load_yaml_model(model, resource.read_text(), f"{what} {name_or_path} (packaged)", error)

@@ -108,3 +108,10 @@ def truncate_log(log: Path, lines: int) -> None:
         return
     kept = log.read_text().splitlines()[:lines]
     log.write_text("".join(line + "\n" for line in kept))
+
+
+def append_log(log: Path, record: dict[str, Any], state: TrainingState) -> None:
+    """Append one JSON record to the training log and count it, so a checkpoint knows where the log stood."""
+    with open(log, "a") as handle:
+        handle.write(json.dumps(record) + "\n")
+    state.log_lines += 1

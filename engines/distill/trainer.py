@@ -37,8 +37,8 @@ from mlxkit.engines.core.distributed import Distributed, gradients
 from mlxkit.engines.core.manifest import Manifest, content_hash
 from mlxkit.engines.core.progress import Reporter
 from mlxkit.engines.core.seeds import seeded_generator
-from mlxkit.engines.distill.checkpoint import (TrainingState, check_run_key, load_checkpoint, save_checkpoint,
-                                               truncate_log)
+from mlxkit.engines.distill.checkpoint import (TrainingState, append_log, check_run_key, load_checkpoint,
+                                               save_checkpoint, truncate_log)
 from mlxkit.engines.distill.losses import cosine_distance_sum, logit_term_sums
 from mlxkit.engines.distill.recipe import DistillRecipe
 from mlxkit.engines.errors import InputError, NonFiniteError
@@ -263,7 +263,7 @@ class DistillationRun:
         if self.dist.is_main:
             truncate_log(log, self.state.log_lines)
             if self.state.step == 0 and self.state.log_lines == 0:
-                self._log(log, {"step": 0, "tokens": 0, "eval": self.evaluate()})
+                append_log(log, {"step": 0, "tokens": 0, "eval": self.evaluate()}, self.state)
         self.dist.barrier()
         tokens_per_step = self.recipe.optim.batch_sequences * self.seq_len
         stop = self.steps if self.options.stop_after_steps is None else min(self.steps, self.options.stop_after_steps)
@@ -282,7 +282,7 @@ class DistillationRun:
                 if self.dist.is_main and ((step + 1) % self.recipe.schedule.eval_every == 0 or last):
                     record["eval"] = self.evaluate()
                 if self.dist.is_main:
-                    self._log(log, record)
+                    append_log(log, record, self.state)
                 if (step + 1) % self.recipe.schedule.checkpoint_every == 0 or step + 1 == stop:
                     if self.dist.is_main and not last:
                         save_checkpoint(self.work / "checkpoint", self.student, self.optimizer, self.state)
@@ -292,11 +292,6 @@ class DistillationRun:
         if self.state.step < self.steps or not self.dist.is_main:
             return None  # every rank meets the others again in cleanup()
         return self._summary(log)
-
-    def _log(self, log: Path, record: dict[str, Any]) -> None:
-        with open(log, "a") as handle:
-            handle.write(json.dumps(record) + "\n")
-        self.state.log_lines += 1
 
     def _summary(self, log: Path) -> dict[str, Any]:
         records = [json.loads(line) for line in log.read_text().splitlines()]

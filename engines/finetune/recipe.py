@@ -8,14 +8,12 @@ any weights load.
 from __future__ import annotations
 
 import os
-from importlib import resources
-from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mlxkit.engines.distill.recipe import OptimSpec  # one optimiser schema for every training verb
-from mlxkit.engines.core.yaml_config import load_yaml_model, read_yaml_mapping, validate_model
+from mlxkit.engines.core.yaml_config import load_packaged_or_file, packaged_names, validate_model
 from mlxkit.engines.errors import RecipeError
 
 RECIPE_PACKAGE = "mlxkit.recipes.finetune"
@@ -109,20 +107,9 @@ def _unset_hint(node: dict[str, Any], key: str) -> str:
 
 
 def available_recipes() -> list[str]:
-    return sorted(p.name[:-5] for p in resources.files(RECIPE_PACKAGE).iterdir() if p.name.endswith(".yaml"))
+    return packaged_names(RECIPE_PACKAGE)
 
 
 def load_finetune_recipe(name_or_path: str | os.PathLike) -> FinetuneRecipe:
     """A packaged recipe by name (`htuning`, `lora`, `full`) or a YAML file by path."""
-    path = Path(name_or_path)
-    if path.suffix in (".yaml", ".yml") or path.exists():
-        if not path.is_file():
-            raise RecipeError(f"recipe file '{path}' does not exist")
-        return load_yaml_model(FinetuneRecipe, path.read_text(), f"recipe {path}", RecipeError)
-    resource = resources.files(RECIPE_PACKAGE) / f"{name_or_path}.yaml"
-    if not resource.is_file():
-        raise RecipeError(f"unknown fine-tuning recipe '{name_or_path}' (available: "
-                          f"{', '.join(available_recipes())}, or a path to a YAML file)")
-    return validate_model(FinetuneRecipe, read_yaml_mapping(resource.read_text(), f"recipe {name_or_path}",
-                                                            RecipeError),
-                          f"recipe {name_or_path} (packaged)", RecipeError)
+    return load_packaged_or_file(FinetuneRecipe, name_or_path, RECIPE_PACKAGE, "recipe", RecipeError)

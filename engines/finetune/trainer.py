@@ -33,8 +33,8 @@ from mlxkit.engines.core.distributed import Distributed
 from mlxkit.engines.core.manifest import Manifest, content_hash
 from mlxkit.engines.core.progress import Reporter
 from mlxkit.engines.core.seeds import derive_seed
-from mlxkit.engines.distill.checkpoint import (TrainingState, check_run_key, load_checkpoint, save_checkpoint,
-                                               truncate_log)
+from mlxkit.engines.distill.checkpoint import (TrainingState, append_log, check_run_key, load_checkpoint,
+                                               save_checkpoint, truncate_log)
 from mlxkit.engines.distill.trainer import batch_indices, learning_rate
 from mlxkit.engines.errors import InputError, NonFiniteError
 from mlxkit.engines.finetune.data import (Batch, Examples, LabelledTexts, classification_examples, lm_examples,
@@ -196,7 +196,7 @@ class FinetuneRun:
         if self.dist.is_main:
             truncate_log(log, self.state.log_lines)
             if self.state.step == 0 and self.state.log_lines == 0:
-                self._log(log, {"step": 0, "tokens": 0, "train_s": 0.0, "eval": self.evaluate()})
+                append_log(log, {"step": 0, "tokens": 0, "train_s": 0.0, "eval": self.evaluate()}, self.state)
         self.dist.barrier()
         schedule = self.recipe.schedule
         stop = self.steps if self.options.stop_after_steps is None else min(self.steps, self.options.stop_after_steps)
@@ -217,7 +217,7 @@ class FinetuneRun:
                 if self.dist.is_main and ((step + 1) % schedule.eval_every == 0 or last):
                     record["eval"] = self.evaluate()
                 if self.dist.is_main:
-                    self._log(log, record)
+                    append_log(log, record, self.state)
                 if ((step + 1) % schedule.checkpoint_every == 0 or step + 1 == stop) and not last:
                     if self.dist.is_main:
                         save_checkpoint(self.work / "checkpoint", self.model, self.optimizer, self.state,
@@ -228,11 +228,6 @@ class FinetuneRun:
         if self.state.step < self.steps or not self.dist.is_main:
             return None  # every rank meets the others again in cleanup()
         return self._summary(log)
-
-    def _log(self, log: Path, record: dict[str, Any]) -> None:
-        with open(log, "a") as handle:
-            handle.write(json.dumps(record) + "\n")
-        self.state.log_lines += 1
 
     def _summary(self, log: Path) -> dict[str, Any]:
         records = [json.loads(line) for line in log.read_text().splitlines()]

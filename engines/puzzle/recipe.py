@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import os
-from importlib import resources
-from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from mlxkit.engines.core.yaml_config import load_yaml_model
+from mlxkit.engines.core.yaml_config import load_packaged_or_file, packaged_names
 from mlxkit.engines.errors import RecipeError
 
 RECIPE_PACKAGE = "mlxkit.recipes.puzzle"
@@ -64,22 +62,9 @@ class PuzzleRecipe(_Strict):
 
 
 def available_recipes() -> list[str]:
-    return sorted(p.name[:-5] for p in resources.files(RECIPE_PACKAGE).iterdir() if p.name.endswith(".yaml"))
+    return packaged_names(RECIPE_PACKAGE)
 
 
 def load_recipe(name_or_path: str | os.PathLike) -> PuzzleRecipe:
     """A packaged recipe by name (`quick`, `standard`) or a YAML file by path."""
-    path = Path(name_or_path)
-    if path.suffix in (".yaml", ".yml") or path.exists():
-        if not path.exists():
-            raise RecipeError(f"recipe file '{path}' does not exist")
-        text = path.read_text()
-        origin = str(path)
-    else:
-        resource = resources.files(RECIPE_PACKAGE) / f"{name_or_path}.yaml"
-        if not resource.is_file():
-            raise RecipeError(f"unknown recipe '{name_or_path}' (available: {', '.join(available_recipes())}, "
-                              "or a path to a YAML file)")
-        text = resource.read_text()
-        origin = f"{name_or_path} (packaged)"
-    return load_yaml_model(PuzzleRecipe, text, f"recipe {origin}", RecipeError)
+    return load_packaged_or_file(PuzzleRecipe, name_or_path, RECIPE_PACKAGE, "recipe", RecipeError)
