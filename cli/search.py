@@ -37,6 +37,8 @@ def search_command(
     gkd_tokens: Annotated[Optional[int], typer.Option("--gkd-tokens", min=1, help="Then distil the child against the parent (GKD) on this many tokens of --data (default: text sampled from the parent); resumable.")] = None,
     gkd_recipe: Annotated[str, typer.Option("--gkd-recipe", help="Distillation recipe for --gkd-tokens (name or YAML path).")] = "gkd",
     gkd_set: Annotated[list[str], typer.Option("--gkd-set", help="Override a GKD recipe field, e.g. --gkd-set optim.lr=3e-4.")] = [],
+    export: Annotated[Optional[str], typer.Option("--export", help="Search only what this serving format can hold (gguf: no linear FFN; nemotron-nas: widths exact as ffn_mult), then export the child into --out: model-DTYPE.gguf or export-FORMAT/.")] = None,
+    export_dtype: Annotated[str, typer.Option("--export-dtype", help="f32 | f16 | q8_0 (q8_0: gguf only).")] = "f32",
     data: DataOpt = None,
     seed: SeedOpt = 0,
     overwrite: OverwriteOpt = False,
@@ -70,7 +72,7 @@ def search_command(
                             metric=metric, solutions=solutions, min_distance=min_distance, batch_sweep=sweep,
                             write_costs=write_costs, write_lp=write_lp, seed=seed, overwrite=overwrite,
                             allow_pickle=allow_pickle, gkd_tokens=gkd_tokens, gkd_recipe=gkd_recipe,
-                            gkd_overrides=parse_overrides(gkd_set))
+                            gkd_overrides=parse_overrides(gkd_set), export=export, export_dtype=export_dtype)
     if throughput is not None and "," in throughput:
         if not dry_run:
             raise fail("several --throughput targets draw the frontier: add --dry-run (one checkpoint per run)")

@@ -58,6 +58,9 @@ def render_search(result: dict, console: Console, quiet: bool = False) -> None:
             console.print(f"[green]{label}[/green] {result[key]}")
     if result.get("out"):
         console.print(f"[green]child[/green] {result['out']}")
+    if result.get("export"):
+        console.print(f"[green]{result['export']['format']} ({result['export']['dtype']})[/green] "
+                      f"{result['export']['out']}")
 
 
 def render_frontier(result: dict, console: Console) -> None:

@@ -225,3 +225,48 @@ def test_search_builds_the_missing_library_then_reuses_it(tiny_llama_dir, text_f
     stamp = block.stat().st_mtime_ns
     second = _search(*args, "--out", str(tmp_path / "b"))
     assert second["library"] == library and block.stat().st_mtime_ns == stamp
+
+
+def test_export_gguf_searches_without_linear_ffn_and_writes_the_gguf(built_library, tiny_llama_dir, tmp_path):
+    from gguf import GGUFReader
+
+    from test_export_support import make_bpe_tokenizer
+
+    # The parent's own tokenizer is checked before the search: llama.cpp needs BPE merges.
+    refused = runner.invoke(app, ["search", "--target", "h100", "--library", str(built_library), "--out",
+                                  str(tmp_path / "refused"), "--export", "gguf"])
+    assert refused.exit_code == 2 and "no BPE merges" in refused.output and not (tmp_path / "refused").exists()
+    make_bpe_tokenizer().save_pretrained(tiny_llama_dir)
+    full = tmp_path / "full.json"
+    _search("--target", "h100", "--library", str(built_library), "--dry-run", "--write-costs", str(full))
+    restricted = tmp_path / "restricted.json"
+    _search("--target", "h100", "--library", str(built_library), "--dry-run", "--export", "gguf",
+            "--write-costs", str(restricted))
+    for every, kept in zip(json.loads(full.read_text())["layers"], json.loads(restricted.read_text())["layers"]):
+        assert set(every["ffn"]) - set(kept["ffn"]) == {"linear"}
+        assert kept["attention"] == every["attention"]
+
+    out = tmp_path / "child"
+    payload = _search("--target", "h100", "--library", str(built_library), "--throughput", "1.3x", "--out", str(out),
+                      "--export", "gguf")
+    assert all(c["ffn"] != "linear" for c in payload["choices"])
+    gguf_file = out / "model-f32.gguf"
+    assert payload["export"]["out"] == str(gguf_file) and gguf_file.with_name("model-f32.gguf.mlxkit.json").exists()
+    reader = GGUFReader(gguf_file)
+    assert reader.fields["general.architecture"].contents() == "deci"
+    lengths = reader.fields["deci.feed_forward_length"].contents()
+    config = json.loads((out / "config.json").read_text())
+    for length, block in zip(lengths, config["block_configs"]):
+        if not block["ffn"]["no_op"]:
+            assert length == block["ffn"]["intermediate_size"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--export", "onnx"], "unknown export format 'onnx'"),
+    (["--export", "hf", "--export-dtype", "q8_0"], "q8_0 is a GGUF type"),
+])
+def test_export_options_are_checked_before_any_work(args, message, tmp_path):
+    result = runner.invoke(app, ["search", "--target", "h100", "--library", str(tmp_path / "missing"),
+                                 "--out", str(tmp_path / "child"), *args])
+    assert result.exit_code != 0 and message in result.output
+    assert not (tmp_path / "child").exists()

@@ -5,8 +5,8 @@
 directory that loads with `trust_remote_code=True` where mlxkit is not installed).
 """
 
-from mlxkit.engines.export.plan import DTYPES, FORMATS, ExportPlan, plan_export
+from mlxkit.engines.export.plan import DTYPES, FORMATS, ExportPlan, check_exportable, ffn_expressible, plan_export
 from mlxkit.engines.export.run import describe_plan, export_model, gguf_manifest_path, run_export
 
-__all__ = ["DTYPES", "FORMATS", "ExportPlan", "describe_plan", "export_model", "gguf_manifest_path", "plan_export",
-           "run_export"]
+__all__ = ["DTYPES", "FORMATS", "ExportPlan", "check_exportable", "describe_plan", "export_model", "ffn_expressible",
+           "gguf_manifest_path", "plan_export", "run_export"]

@@ -216,6 +216,15 @@ def nas_width_ok(width: int, hidden_size: int) -> bool:
     return decoded == width == llama_cpp
 
 
+def ffn_expressible(fmt: str, ffn: FFNVariant, hidden_size: int) -> bool:
+    """Whether `fmt` can hold an FFN of this variant (`mlx search --export` searches only these)."""
+    if fmt == "gguf":
+        return ffn.kind != "linear"  # llama.cpp's deci graph has no linear FFN
+    if fmt == "nemotron-nas":
+        return ffn.kind != "mlp" or nas_width_ok(ffn.intermediate_size, hidden_size)  # type: ignore[arg-type]
+    return True
+
+
 def layer_list(indices: list[int]) -> str:
     return ", ".join(str(i) for i in indices)
 
@@ -235,10 +244,11 @@ def check_format(model: ModelDescription, fmt: str, dtype: str) -> list[str]:
     check_options(fmt, dtype)
     notes: list[str] = []
     if fmt == "gguf":
-        linear_ffn = [l.index for l in model.layers if l.ffn.kind == "linear"]
+        linear_ffn = [l.index for l in model.layers if not ffn_expressible(fmt, l.ffn, model.hidden_size)]
         if linear_ffn:
             raise InputError(f"llama.cpp's deci architecture has no linear FFN; layers {layer_list(linear_ffn)} "
-                             "use one (search with `ffn_linear: false` in the recipe, or export to nemotron-nas/hf)")
+                             "use one (search with `--export gguf` or `ffn_linear: false` in the recipe, "
+                             "or export to nemotron-nas/hf)")
         if not any(l.attention.kind == "gqa" for l in model.layers):
             raise InputError("llama.cpp's deci architecture needs at least one layer with attention")
         if model.rope.rope_type not in ROPE_TYPES_GGUF:
@@ -250,11 +260,12 @@ def check_format(model: ModelDescription, fmt: str, dtype: str) -> list[str]:
             raise InputError(f"Nemotron-NAS derives head_dim as hidden/heads ({h // model.num_heads}); "
                              f"this model's head_dim is {model.head_dim}")
         bad = [f"{l.index} (width {l.ffn.intermediate_size})" for l in model.layers
-               if l.ffn.kind == "mlp" and not nas_width_ok(l.ffn.intermediate_size, h)]  # type: ignore[arg-type]
+               if not ffn_expressible(fmt, l.ffn, h)]
         if bad:
             raise InputError(f"Nemotron-NAS stores FFN widths as ffn_mult, which reads back as a multiple of "
                              f"{NAS_WIDTH_MULTIPLE}; layers {', '.join(bad)} cannot be expressed exactly "
-                             f"(search with `width_multiple: {NAS_WIDTH_MULTIPLE}` in the recipe, or export to hf)")
+                             f"(search with `--export nemotron-nas` or `width_multiple: {NAS_WIDTH_MULTIPLE}` "
+                             "in the recipe, or export to hf)")
         if model.config.attention_bias and any(n not in model.index for n in model.optional):
             notes.append("o_proj.bias absent in the source; written as zeros (the layout has one bias flag)")
     return notes
@@ -279,6 +290,20 @@ def plan_export(spec: str, fmt: str, out: str | Path, dtype: str = "f32", *, ove
     """Everything checked, nothing written: the output path, the model, the per-format encoding."""
     check_options(fmt, dtype)
     out_path = check_out(Path(out), fmt, overwrite)
+    return _plan(spec, fmt, dtype, out_path, reporter)
+
+
+def check_exportable(spec: str, fmt: str, dtype: str = "f32", reporter: Reporter | None = None) -> None:
+    """Raise what `plan_export` would raise for this model, whatever the output path.
+
+    `mlx search --export` checks the parent with it before any work: a tokenizer or RoPE the
+    format cannot hold is the parent's, and the child would inherit it.
+    """
+    check_options(fmt, dtype)
+    _plan(spec, fmt, dtype, Path(f"unwritten.{fmt}"), reporter)
+
+
+def _plan(spec: str, fmt: str, dtype: str, out_path: Path, reporter: Reporter | None) -> ExportPlan:
     model = describe_model(spec, reporter)
     notes = check_format(model, fmt, dtype)
     if fmt != "gguf":

@@ -26,10 +26,11 @@ subblocks, non-finite scores, negative or non-finite costs.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from mlxkit.engines.errors import InputError
 from mlxkit.engines.hardware.scenario import Scenario
 from mlxkit.engines.models.decilm.blocks import AttentionVariant, BlockChoice, FFNVariant, ParentShape
 from mlxkit.engines.puzzle.recipe import BLDSpec, DataSpec, PuzzleRecipe, SearchSpaceSpec
@@ -188,3 +189,18 @@ class BlockLibrary(_Strict):
     def has_trained_blocks(self) -> bool:
         """True for an mlxkit-built library, whose variants a child can be assembled from."""
         return self.parent is not None and self.converted_from is None
+
+    def with_ffn_only(self, keep: Callable[[FFNVariant], bool], why: str) -> "BlockLibrary":
+        """The same library with only the FFN variants `keep` accepts (and the whole blocks that use them).
+
+        `why` completes the error raised when a layer would be left with no FFN variant at all.
+        """
+        layers = []
+        for layer in self.layers:
+            ffn = {name: entry for name, entry in layer.ffn.items() if keep(entry.variant)}
+            if not ffn:
+                raise InputError(f"layer {layer.layer} has no FFN variant left {why} "
+                                 f"(it has: {', '.join(layer.ffn)})")
+            blocks = {name: block for name, block in layer.blocks.items() if block.ffn in ffn}
+            layers.append(layer.model_copy(update={"ffn": ffn, "blocks": blocks}))
+        return self.model_copy(update={"layers": layers})

@@ -13,7 +13,9 @@ Plan (what exists is reused, what is missing is built):
   5. with `gkd_tokens`, global distillation of that child against the parent: the assembled
      child waits in `.<out>.search-work/` and the distillation's own work directory, so a
      rerun of the same command resumes at the stage it stopped in, and the distilled child
-     is what lands at `out`, its manifest recording every stage.
+     is what lands at `out`, its manifest recording every stage;
+  6. with `export`, the search space keeps only what that serving format can hold (no linear
+     FFN for llama.cpp; Nemotron-NAS-exact widths), and the saved child is exported into `out`.
 """
 
 from __future__ import annotations
@@ -72,8 +74,14 @@ class SearchOptions:
     gkd_tokens: int | None = None
     gkd_recipe: str = "gkd"
     gkd_overrides: dict[str, Any] = field(default_factory=dict)
+    export: str | None = None  # a format of `mlx export`: searched for, then written into `out`
+    export_dtype: str = "f32"
 
     def __post_init__(self) -> None:
+        if self.export is not None:
+            from mlxkit.engines.export.plan import check_options
+
+            check_options(self.export, self.export_dtype)
         if self.library is not None and self.recipe is not None:
             # The recipe fixes the search space of a library to build; a given library has its own.
             raise InputError(f"--recipe '{self.recipe}' builds a block library; --library '{self.library}' "
@@ -156,6 +164,8 @@ def run_search(options: SearchOptions, reporter: Reporter | None = None) -> dict
                         f"on {profile.name} ({scenario})")
 
     library_path, library = _library(options, reporter)
+    if options.export is not None:
+        library = _exportable_library(library, options.export, options.export_dtype, reporter)
     shape = library.parent.shape if library.parent is not None else None
     stored = stored_costs(library) if options.costs == "library" else None
 
@@ -185,6 +195,11 @@ def run_search(options: SearchOptions, reporter: Reporter | None = None) -> dict
     parent_stats = parent_totals(problem, shape)
     best = solutions[0]
     choices = solution_block_choices(best)
+    if options.export == "gguf" and not any(c.attention.kind == "gqa" for c in choices):
+        from mlxkit.engines.errors import InfeasibleError
+
+        raise InfeasibleError("the solution keeps attention in no layer, and llama.cpp's deci architecture needs "
+                              "at least one: loosen the budget, or export to nemotron-nas or hf")
 
     result: dict[str, Any] = {
         "target": profile.name, "scenario": scenario.to_dict(), "budgets": budgets.describe(), "caps": caps,
@@ -206,6 +221,8 @@ def run_search(options: SearchOptions, reporter: Reporter | None = None) -> dict
         else:
             result.update(_build_child(options, library_path, library, choices, result, profile, scenario,
                                        started, reporter))
+        if options.export is not None:
+            result["export"] = _export_child(Path(result["out"]), options, reporter)
     elif options.out is not None:
         reporter.notice("an NVlabs/puzzle demo library has no trained blocks: the solution is reported, "
                         "no checkpoint is written")
@@ -242,6 +259,39 @@ def _library(options: SearchOptions, reporter: Reporter) -> tuple[Path, BlockLib
     path = ensure_library(options.model, options.recipe or "quick", data=options.data, seed=options.seed,
                           allow_pickle=options.allow_pickle, reporter=reporter)
     return path, read_library(path)
+
+
+def _exportable_library(library: BlockLibrary, fmt: str, dtype: str, reporter: Reporter) -> BlockLibrary:
+    """`library` without the FFN variants that `fmt` cannot hold (attention variants all export)."""
+    from mlxkit.engines.export import check_exportable, ffn_expressible
+
+    if library.parent is None:
+        raise InputError(f"--export {fmt} needs a library that records its parent's shape (an mlxkit library); "
+                         "an NVlabs/puzzle demo library has none")
+    check_exportable(library.parent.spec, fmt, dtype, reporter)
+    hidden = library.parent.shape.hidden_size
+    dropped = sorted({name for layer in library.layers for name, entry in layer.ffn.items()
+                      if not ffn_expressible(fmt, entry.variant, hidden)})
+    if dropped:
+        reporter.notice(f"--export {fmt}: searching without the FFN variants {', '.join(dropped)}, "
+                        f"which {fmt} cannot hold")
+    return library.with_ffn_only(lambda variant: ffn_expressible(fmt, variant, hidden), f"that {fmt} can hold")
+
+
+def export_path(out: Path, fmt: str, dtype: str) -> Path:
+    """Where `--export` writes inside the child directory: `model-<dtype>.gguf`, or `export-<format>/`."""
+    return out / (f"model-{dtype}.gguf" if fmt == "gguf" else f"export-{fmt}")
+
+
+def _export_child(out: Path, options: SearchOptions, reporter: Reporter) -> dict[str, Any]:
+    from mlxkit.engines.export import export_model
+
+    assert options.export is not None
+    with reporter.task(f"exporting the child to {options.export} ({options.export_dtype})"):
+        written = export_model(out, options.export, export_path(out, options.export, options.export_dtype),
+                               options.export_dtype, overwrite=True, reporter=reporter)
+    return {"format": written["format"], "dtype": written["dtype"], "out": written["out"],
+            "manifest": written["manifest"], "notes": written["notes"]}
 
 
 def _write_costs_and_lp(options: SearchOptions, costs: LibraryCosts, solver: Solver,
