@@ -33,7 +33,8 @@ def calibrate_command(
     model: Annotated[str, typer.Option("--model", "-m", help="Parent whose variants are timed: HF directory, hub "
                                                              "id, or 'smollm2-135m'.")] = "smollm2-135m",
     device: Annotated[str, typer.Option("--device", help="cpu or cuda[:N].")] = "cpu",
-    batch: Annotated[str, typer.Option("--batch", help="Batch sizes to time, comma-separated.")] = "1,4",
+    batch: Annotated[Optional[str], typer.Option("--batch", help="Batch sizes to time, comma-separated "
+                                                 "(default 1,4; llamacpp: 1).")] = None,
     seq: Annotated[str, typer.Option("--seq", help="Prompt lengths to time, comma-separated.")] = "32,128",
     base: Annotated[Optional[str], typer.Option("--base", help="Profile to start from (peaks, bandwidth, sources). "
                                                                "Default: cpu, or the GPU's own profile.")] = None,
@@ -41,10 +42,13 @@ def calibrate_command(
     repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed repeats (the median is kept).")] = 3,
     decode_steps: Annotated[int, typer.Option("--decode-steps", min=1, help="Decode steps per repeat.")] = 16,
     dtype: Annotated[str, typer.Option("--dtype", help="float32, bfloat16 or float16.")] = "float32",
-    threads: Annotated[int, typer.Option("--threads", min=0, help="CPU threads for torch; 0 keeps torch's "
-                                                                "default. With 1 the CPU-time clock is used.")] = 1,
+    threads: Annotated[int, typer.Option("--threads", min=0, help="CPU threads for torch or llama.cpp; 0 keeps "
+                                         "the engine's default (torch's, or every core). With 1 and torch the "
+                                         "CPU-time clock is used.")] = 1,
     clock: Annotated[str, typer.Option("--clock", help="auto, wall or cpu (thread CPU time: one dedicated core "
                                                        "even on a busy machine).")] = "auto",
+    engine: Annotated[str, typer.Option("--engine", help="torch (PyTorch eager) or llamacpp (GGUF exports timed "
+                                                         "in llama.cpp, batch 1; needs mlxkit[llamacpp]).")] = "torch",
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing profile.")] = False,
     seed: SeedOpt = 0,
     json_out: JsonOpt = False,
@@ -55,11 +59,10 @@ def calibrate_command(
 
     if not device.startswith(("cpu", "cuda")):
         raise fail(f"--device must be cpu or cuda[:N] (got '{device}')")
-    settings = CalibrationSettings(model=model, device=device, batches=_ints(batch, "--batch"),
+    settings = CalibrationSettings(model=model, device=device, batches=_ints(batch or ("1" if engine == "llamacpp" else "1,4"), "--batch"),
                                    seqs=_ints(seq, "--seq"), copies=copies, repeats=repeats,
                                    decode_steps=decode_steps, dtype=dtype, threads=threads or None, clock=clock,
-                                   base_profile=base,
-                                   seed=seed)
+                                   base_profile=base, seed=seed, engine=engine)
     result = run_calibrate(settings, out, overwrite=overwrite, reporter=make_reporter(json_out, quiet, verbose))
     report = result.report
     if json_out:

@@ -86,3 +86,16 @@ def test_default_calibration_variants():
     attention, ffn = calibration_variants(smollm)
     assert [v.name for v in attention] == ["kv3", "kv1", "linear"]
     assert [v.name for v in ffn] == ["ffn1536", "ffn1152", "ffn768", "ffn384", "linear"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--engine", "onnx"], "--engine must be one of torch, llamacpp"),
+    (["--engine", "llamacpp", "--batch", "1,4"], "use --batch 1"),
+    (["--engine", "llamacpp", "--dtype", "bfloat16"], "float32 or float16"),
+    (["--engine", "llamacpp", "--clock", "cpu"], "--clock cpu needs --engine torch"),
+])
+def test_calibrate_engine_flags_are_checked_before_any_timing(tiny_llama_dir, tmp_path, args, message):
+    out = tmp_path / "x.yaml"
+    result = CliRunner().invoke(app, ["calibrate", "--model", str(tiny_llama_dir), "--out", str(out), *args])
+    assert result.exit_code == 2 and message in result.output, result.output
+    assert not out.exists()

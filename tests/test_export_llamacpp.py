@@ -165,3 +165,34 @@ def test_real_smollm2_and_a_child_of_it_agree_in_llama_cpp(tmp_path, real_cache)
     top1, rel = _compare(tmp_path / "child", tmp_path / "child.gguf", ids)
     print(f"SmolLM2-135M child, f32: top-1 {top1:.4f}, max relative logit error {rel:.2e} on {len(ids)} tokens")
     assert top1 >= 0.99 and rel < 1e-4
+
+
+def test_calibrate_engine_llamacpp_times_gguf_exports_and_fits_a_profile(tmp_path):
+    """`mlx calibrate --engine llamacpp`: every small model exported and timed in llama.cpp, the fit written."""
+    import json
+    import tempfile
+
+    from typer.testing import CliRunner
+
+    from mlxkit.cli.main import app
+    from mlxkit.engines.hardware.profile import load_profile
+
+    parent = make_parent_dir(tmp_path / "parent")
+    out = tmp_path / "tiny-llamacpp.yaml"
+    before = set(Path(tempfile.gettempdir()).glob("mlx-calibrate-*"))
+    result = CliRunner().invoke(app, ["calibrate", "--engine", "llamacpp", "--model", str(parent), "--out", str(out),
+                                      "--seq", "8,16", "--copies", "2", "--repeats", "1", "--decode-steps", "2",
+                                      "--threads", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    profile = load_profile(out)
+    assert profile.calibration["engine"] == "llamacpp" and "llama.cpp" in profile.calibration["device"]
+    report = json.loads(out.with_name("tiny-llamacpp.report.json").read_text())
+    # llama.cpp has no linear FFN: that variant is left out; the others are all timed at batch 1.
+    timed = {(row["variant"], row["kind"]) for row in report["variants"]}
+    assert ("linear", "ffn") not in timed and ("linear", "attention") in timed
+    assert {row["batch"] for row in report["variants"]} == {1}
+    assert [(row["batch"], row["seq"]) for row in report["whole_model"]] == [(1, 8), (1, 16)]
+    for row in report["whole_model"]:
+        assert row["prefill_ms"]["measured"] > 0 and row["decode_step_ms"]["measured"] > 0
+        assert "kv_cache_mib" not in row["memory"]  # llama.cpp does not report it; nothing is made up
+    assert set(Path(tempfile.gettempdir()).glob("mlx-calibrate-*")) == before  # the exports are gone

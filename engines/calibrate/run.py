@@ -17,18 +17,27 @@ timings join the fit with a higher weight (per-layer effects such as the cost of
 decode matmuls at batch > 1 are below the noise of a few-layer model), unless
 `fit_whole_model=False` holds them out. `bench/bench_calibrate.py` checks the fitted
 profile out of sample, at batch/prompt points the calibration never timed.
+
+Engines: `torch` times the models in PyTorch eager (what `mlx eval` and training run);
+`llamacpp` exports each small model, and the parent, to GGUF and times them in llama.cpp
+(batch 1, wall clock over its thread pool), so a profile can predict the serving engine
+that users deploy a child to. Linear FFN has no GGUF form and is not timed there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime as _dt
 import json
+import os
 import platform
+import shutil
+import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -44,6 +53,8 @@ from mlxkit.engines.models.decilm.blocks import (AttentionVariant, BlockChoice, 
                                                  parent_attention, parent_ffn)
 
 _TORCH_TO_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+_TORCH_TO_GGUF = {"float32": "f32", "float16": "f16"}
+ENGINES = ("torch", "llamacpp")
 
 
 @dataclass
@@ -70,6 +81,7 @@ class CalibrationSettings:
     fit_whole_model: bool = True
     whole_model_weight: float = 4.0
     seed: int = 0
+    engine: str = "torch"  # or "llamacpp": GGUF exports timed in llama.cpp
 
 
 @dataclass
@@ -219,29 +231,40 @@ def run_calibrate(settings: CalibrationSettings, out: str | Path, *, overwrite: 
         raise InputError(f"--dtype must be one of {', '.join(_TORCH_TO_DTYPE)} (got '{settings.dtype}')")
     if settings.clock not in ("auto", "wall", "cpu"):
         raise InputError(f"--clock must be auto, wall or cpu (got '{settings.clock}')")
+    if settings.engine not in ENGINES:
+        raise InputError(f"--engine must be one of {', '.join(ENGINES)} (got '{settings.engine}')")
+    if settings.threads is not None and settings.threads < 1:
+        raise InputError("--threads must be ≥ 1")
+    llamacpp = settings.engine == "llamacpp"
+    if llamacpp:
+        _check_llamacpp_settings(settings)
     _check_positions(settings)
     device = torch.device(settings.device)
-    if settings.threads is not None:
-        if settings.threads < 1:
-            raise InputError("--threads must be ≥ 1")
+    if settings.threads is not None and not llamacpp:
         torch.set_num_threads(settings.threads)
     dtype = getattr(torch, settings.dtype)
     weight_dtype = _TORCH_TO_DTYPE[settings.dtype]
-    single_cpu = device.type == "cpu" and torch.get_num_threads() == 1
+    single_cpu = device.type == "cpu" and torch.get_num_threads() == 1 and not llamacpp
     clock = ("cpu" if single_cpu else "wall") if settings.clock == "auto" else settings.clock
     if clock not in ("cpu", "wall") or (clock == "cpu" and not single_cpu):
-        raise InputError("--clock cpu needs --device cpu and --threads 1 (CPU time of one thread); use wall")
+        raise InputError("--clock cpu needs --device cpu, --threads 1 and --engine torch (CPU time of one "
+                         "thread); use wall")
     base = load_profile(settings.base_profile or _default_base(settings.device))
 
     reporter.notice(f"loading {settings.model}")
-    loaded = load_model(settings.model, with_tokenizer=False, reporter=reporter)
-    parent_model = from_parent(loaded.model).to(dtype=dtype, device=device).eval()
+    loaded = load_model(settings.model, with_tokenizer=llamacpp, reporter=reporter)
+    parent_model = from_parent(loaded.model).to(dtype=torch.float32 if llamacpp else dtype, device=device).eval()
     parent_config = loaded.model.config
     parent = ParentShape.from_config(parent_config)
+    tokenizer = loaded.tokenizer
     del loaded
     default_attention, default_ffn = calibration_variants(parent)
     attention = list(settings.attention or default_attention)
     ffn = list(settings.ffn or default_ffn)
+    if llamacpp:
+        from mlxkit.engines.export import ffn_expressible
+
+        ffn = [v for v in ffn if ffn_expressible("gguf", v, parent.hidden_size)]
     for v in attention:
         v.validate(parent)
     for v in ffn:
@@ -257,31 +280,74 @@ def run_calibrate(settings: CalibrationSettings, out: str | Path, *, overwrite: 
             models.append((v.name, "ffn", v, [parent_block] + [BlockChoice(AttentionVariant("no_op"), v)] * settings.copies))
 
     runs: list[_Run] = []
-    timing_kwargs = dict(decode_steps=settings.decode_steps, warmup=settings.warmup, repeats=settings.repeats,
-                         seed=settings.seed, clock=clock)
     settings.clock = clock  # recorded in the profile
     total = (len(models) + 1) * len(settings.batches) * len(settings.seqs)
-    with reporter.task("timing variants", total=total) as task:
-        for label, kind, variant, layers in models:
-            model = _build(parent_config, layers, dtype, device, settings.seed)
-            for batch in settings.batches:
-                for seq in settings.seqs:
-                    run = _Run(label, kind, variant, layers, batch, seq)
-                    run.timing = time_model(model, batch, seq, **timing_kwargs)
-                    runs.append(run)
-                    task.update(model=label, batch=batch, seq=seq)
-                    task.advance()
-            del model
+    with contextlib.ExitStack() as stack:
+        work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="mlx-calibrate-"))) if llamacpp else None
+
+        def timer(model) -> contextlib.AbstractContextManager[Callable[[int, int], Timing]]:
+            if work is not None:
+                return _llamacpp_timer(model, tokenizer, settings, work)
+            return _torch_timer(model, settings, clock)
+
+        task = stack.enter_context(reporter.task("timing variants", total=total))
         parent_layers = [parent_block] * parent.num_layers
-        for batch in settings.batches:
-            for seq in settings.seqs:
-                run = _Run("model", "model", None, parent_layers, batch, seq)
-                run.timing = time_model(parent_model, batch, seq, **timing_kwargs)
-                runs.append(run)
-                task.update(model="whole model", batch=batch, seq=seq)
-                task.advance()
+        for label, kind, variant, layers in models + [("model", "model", None, parent_layers)]:
+            model = parent_model if kind == "model" else _build(parent_config, layers, dtype, device, settings.seed)
+            with timer(model) as measure:
+                for batch in settings.batches:
+                    for seq in settings.seqs:
+                        run = _Run(label, kind, variant, layers, batch, seq)
+                        run.timing = measure(batch, seq)
+                        runs.append(run)
+                        task.update(model="whole model" if kind == "model" else label, batch=batch, seq=seq)
+                        task.advance()
+            del model
 
     return _fit_and_write(runs, parent, base, settings, weight_dtype, out, reporter)
+
+
+def _check_llamacpp_settings(settings: CalibrationSettings) -> None:
+    from mlxkit.engines.calibrate.llamacpp_timing import require_llama_cpp
+
+    if not settings.device.startswith("cpu"):
+        raise InputError("--engine llamacpp times llama.cpp's CPU build; use --device cpu")
+    if tuple(settings.batches) != (1,):
+        raise InputError("--engine llamacpp times one sequence per context (llama-cpp-python); use --batch 1")
+    if settings.dtype not in _TORCH_TO_GGUF:
+        raise InputError(f"--engine llamacpp times GGUF weights in {' or '.join(_TORCH_TO_GGUF)} "
+                         f"(got '{settings.dtype}')")
+    if settings.clock == "cpu":
+        raise InputError("--clock cpu needs --engine torch: llama.cpp works on its own threads; use wall")
+    require_llama_cpp()
+
+
+@contextlib.contextmanager
+def _torch_timer(model, settings: CalibrationSettings, clock: str) -> Iterator[Callable[[int, int], Timing]]:
+    yield lambda batch, seq: time_model(model, batch, seq, decode_steps=settings.decode_steps,
+                                        warmup=settings.warmup, repeats=settings.repeats, seed=settings.seed,
+                                        clock=clock)
+
+
+@contextlib.contextmanager
+def _llamacpp_timer(model, tokenizer, settings: CalibrationSettings,
+                    work: Path) -> Iterator[Callable[[int, int], Timing]]:
+    """`model` saved and exported to GGUF in `work` (as `mlx export` would), timed in llama.cpp, then removed."""
+    from mlxkit.engines.calibrate.llamacpp_timing import time_gguf
+    from mlxkit.engines.export import export_model
+
+    directory, gguf = work / "model", work / "model.gguf"
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    export_model(directory, "gguf", gguf, _TORCH_TO_GGUF[settings.dtype], overwrite=True)
+    threads = settings.threads or os.cpu_count() or 1
+    try:
+        yield lambda batch, seq: time_gguf(gguf, seq, decode_steps=settings.decode_steps, warmup=settings.warmup,
+                                           repeats=settings.repeats, threads=threads, seed=settings.seed)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+        for path in work.glob("model.gguf*"):
+            path.unlink()
 
 
 def _fit_and_write(runs: list[_Run], parent: ParentShape, base: HardwareProfile, settings: CalibrationSettings,
@@ -307,6 +373,11 @@ def _fit_and_write(runs: list[_Run], parent: ParentShape, base: HardwareProfile,
     fit = fit_profile(base, predict, measured, fit=settings.fit, bounds=bounds, weights=weights)
 
     device_name = describe_device(settings.device)
+    if settings.engine == "llamacpp":
+        from mlxkit.engines.calibrate.llamacpp_timing import require_llama_cpp
+
+        device_name = f"{device_name.rsplit(',', 1)[0]}, llama.cpp (llama-cpp-python {require_llama_cpp()}), " \
+                      f"{settings.threads or os.cpu_count()} threads"
     today = _dt.date.today().isoformat()
     note = (f"measured by mlx calibrate on {device_name} ({today}; model {settings.model}, {settings.dtype}, "
             f"batches {list(settings.batches)}, prompt lengths {list(settings.seqs)}): least-squares fit over "
@@ -322,8 +393,10 @@ def _fit_and_write(runs: list[_Run], parent: ParentShape, base: HardwareProfile,
                         "batches": list(settings.batches), "prompt_lengths": list(settings.seqs),
                         "copies": settings.copies, "decode_steps": settings.decode_steps,
                         "repeats": settings.repeats, "torch": str(torch.__version__),
-                        "threads": torch.get_num_threads() if not settings.device.startswith("cuda") else None,
-                        "clock": settings.clock, "base_profile": base.name,
+                        "threads": None if settings.device.startswith("cuda") else
+                        (settings.threads or os.cpu_count()) if settings.engine == "llamacpp" else
+                        torch.get_num_threads(),
+                        "clock": settings.clock, "base_profile": base.name, "engine": settings.engine,
                         "fit_rms_log_error": round(fit.rms_log_error, 4),
                         "fit_max_rel_error": round(fit.max_abs_rel_error, 4)},
     })
@@ -367,8 +440,9 @@ def _report(profile: HardwareProfile, parent: ParentShape, runs: list[_Run], set
             _bytes(weight_dtype)
         cm = CostModel(parent, profile, Scenario(r.batch, r.seq, settings.decode_steps + 1, weight_dtype, weight_dtype))
         weights_pred = cm.parent_model().num_params * _bytes(weight_dtype)
-        memory = {"weights_mib": {"predicted": weights_pred / MIB, "measured": t.weights_bytes / MIB},
-                  "kv_cache_mib": {"predicted": kv_pred / MIB, "measured": t.kv_cache_bytes / MIB}}
+        memory = {"weights_mib": {"predicted": weights_pred / MIB, "measured": t.weights_bytes / MIB}}
+        if t.kv_cache_bytes is not None:
+            memory["kv_cache_mib"] = {"predicted": kv_pred / MIB, "measured": t.kv_cache_bytes / MIB}
         if t.peak_bytes is not None:
             memory["peak_mib"] = {"predicted": cm.parent_model().memory_mib, "measured": t.peak_bytes / MIB}
         whole.append({"batch": r.batch, "seq": r.seq,

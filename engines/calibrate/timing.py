@@ -26,7 +26,7 @@ class Timing:
     decode_ms: float          # median single decode step
     decode_ctx: float         # mean context length of the timed decode steps
     weights_bytes: int
-    kv_cache_bytes: int       # bytes held by the cache after the last step
+    kv_cache_bytes: int | None  # bytes held by the cache after the last step (None: the engine does not say)
     peak_bytes: int | None    # CUDA peak allocated during the measurement; None on CPU
 
 
