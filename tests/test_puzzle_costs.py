@@ -64,13 +64,14 @@ def test_every_packaged_profile_carries_a_default_scenario_for_its_device():
         assert profile.default_scenario is not None, name
         assert profile.sources.get("default_scenario"), f"{name}: no source for default_scenario"
         assert profile.scenario() == profile.default_scenario
-        if name != "cpu":  # GPUs: the paper's workload, FP8 exactly where the chip has FP8 units
+        if not name.startswith("cpu"):  # GPUs: the paper's workload, FP8 exactly where the chip has FP8 units
             fp8 = "fp8" in profile.peak_tflops
             expected = Scenario(256, 128, 1024, "fp8" if fp8 else "bf16", "fp8" if fp8 else "bf16")
             assert profile.default_scenario == expected, name
     # Today's h100 behaviour is kept; the CPU serves one small float32 request.
     assert load_profile("h100").scenario() == Scenario.parse("batch=256,in=128,out=1024,weights=fp8")
     assert load_profile("cpu").scenario() == Scenario(1, 128, 128, "fp32", "fp32")
+    assert load_profile("cpu-llamacpp").scenario() == Scenario(1, 128, 128, "fp32", "fp32")
     # --scenario changes only the fields it names.
     assert load_profile("cpu").scenario("batch=4") == Scenario(4, 128, 128, "fp32", "fp32")
     assert load_profile("a100-80gb").scenario("weights=fp8").kv_dtype == "fp8"  # the cache follows FP8 weights
