@@ -1,4 +1,8 @@
-"""Fine-tune a model: H-Tuning (mix-order LoRA), LoRA, or every weight; resumable, data-parallel under torchrun."""
+"""Fine-tune a model: H-Tuning (mix-order LoRA), LoRA, or every weight; resumable, data-parallel under torchrun.
+
+`--recipe crt` (or a YAML with `method: crt`) is continual robust training of a small
+classifier instead: `--attacks` to train, `--new-attack` to fine-tune a trained one.
+"""
 
 from __future__ import annotations
 
@@ -18,11 +22,12 @@ def finetune_command(
                                       "whole checkpoint (full, --merge); an unfinished run there is resumed.")],
     data: Annotated[Optional[Path], typer.Option("--data", help="Training data: text (.txt, .jsonl with --text-field, "
                                                  "a directory of .txt) or, for classification, .jsonl with text "
-                                                 "and label fields.")] = None,
-    recipe: Annotated[str, typer.Option("--recipe", help="htuning, lora, full (see `mlx recipes`) or a path to a "
-                                        "YAML file.")] = "htuning",
-    model: Annotated[str, typer.Option("--model", "-m", help="Base model: HF directory, .gguf file, hub id, or "
-                                       "'smollm2-135m'.")] = "smollm2-135m",
+                                                 "and label fields; crt: .npz with arrays x and y.")] = None,
+    recipe: Annotated[str, typer.Option("--recipe", help="htuning, lora, full, crt (see `mlx recipes`) or a path "
+                                        "to a YAML file.")] = "htuning",
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Base model: HF directory, .gguf file, hub "
+                                                 "id, or 'smollm2-135m' (the default); crt: a classifier config "
+                                                 "(.json/.yaml) or a trained classifier directory.")] = None,
     steps: Annotated[Optional[int], typer.Option("--steps", help="Optimiser steps (recipe: schedule.steps).")] = None,
     batch: Annotated[Optional[int], typer.Option("--batch", help="Sequences per step, over all processes "
                                                  "(recipe: optim.batch_sequences).")] = None,
@@ -33,6 +38,11 @@ def finetune_command(
                                                       "(default: data.held_out_sequences of --data).")] = None,
     merge: Annotated[bool, typer.Option("--merge", help="Fold the adapter into the base and write a merged "
                                         "safetensors checkpoint instead of the adapter.")] = False,
+    attacks: Annotated[Optional[str], typer.Option("--attacks", help="crt: attacks to train against, comma-separated "
+                                                   "(linf, l2, l1, stadv); with --new-attack, the old attacks "
+                                                   "(default: those the model records).")] = None,
+    new_attack: Annotated[Optional[str], typer.Option("--new-attack", help="crt: fine-tune a trained classifier for "
+                                                      "this attack, replaying the old ones.")] = None,
     overrides: Annotated[list[str], typer.Option("--set", help="Override any recipe field, e.g. --set "
                                                  "htuning.mix_coef=0.9.")] = [],
     text_field: TextFieldOpt = "text",
@@ -45,13 +55,27 @@ def finetune_command(
 ) -> None:
     from mlxkit.engines.finetune.recipe import load_finetune_recipe
     from mlxkit.engines.finetune.trainer import FinetuneOptions, run_finetune
+    from mlxkit.engines.robust.recipe import CrtRecipe
 
     if data is None:
-        raise fail("finetune needs --data (text, or JSONL with text and label fields for classification)")
+        raise fail("finetune needs --data (text, or JSONL with text and label fields for classification; "
+                   ".npz for crt)")
+    base = load_finetune_recipe(recipe)
+    if isinstance(base, CrtRecipe):
+        if merge or objective is not None:
+            raise fail("--merge and --objective are for language-model recipes, not crt")
+        phase = "train" if new_attack is None else "finetune"
+        flags = {f"{phase}.steps": steps, "optim.batch_size": batch, f"{phase}.lr": lr}
+        settings = {key: value for key, value in flags.items() if value is not None}
+        _crt(base.with_overrides({**settings, **parse_overrides(overrides)}), model, data, out, attacks,
+             new_attack, eval_data, seed, overwrite, json_out, quiet, verbose)
+        return
+    if attacks is not None or new_attack is not None:
+        raise fail("--attacks and --new-attack belong to --recipe crt")
     flags = {"schedule.steps": steps, "optim.batch_sequences": batch, "optim.lr": lr, "objective": objective}
     settings = {key: value for key, value in flags.items() if value is not None}
-    loaded = load_finetune_recipe(recipe).with_overrides({**settings, **parse_overrides(overrides)})
-    options = FinetuneOptions(model=model, data=data, out=out, recipe=loaded, eval_data=eval_data,
+    loaded = base.with_overrides({**settings, **parse_overrides(overrides)})
+    options = FinetuneOptions(model=model or "smollm2-135m", data=data, out=out, recipe=loaded, eval_data=eval_data,
                               text_field=text_field, merge=merge, seed=seed, overwrite=overwrite,
                               allow_pickle=allow_pickle)
     summary = run_finetune(options, make_reporter(json_out, quiet, verbose))
@@ -66,3 +90,29 @@ def finetune_command(
                   f"steps, {summary['trainable_parameters']:,} trainable parameters; held-out loss "
                   f"{before['loss']:.4f} → {after['loss']:.4f}{extra} ({summary['wall_time_s']} s, peak RSS "
                   f"{summary['peak_rss_mib']:.0f} MiB)")
+
+
+def _names(value: str | None) -> tuple[str, ...]:
+    return tuple(name.strip() for name in value.split(",") if name.strip()) if value else ()
+
+
+def _crt(recipe, model: str | None, data: Path, out: Path, attacks: str | None, new_attack: str | None,
+         eval_data: Optional[Path], seed: int, overwrite: bool, json_out: bool, quiet: bool, verbose: bool) -> None:
+    from mlxkit.engines.robust.trainer import CrtOptions, run_crt
+
+    if model is None:
+        raise fail("crt needs --model: a classifier config (.json/.yaml) to train, or a trained classifier "
+                   "directory")
+    options = CrtOptions(model=model, data=data, out=out, recipe=recipe, attacks=_names(attacks),
+                         new_attack=new_attack.strip() if new_attack else None, eval_data=eval_data, seed=seed,
+                         overwrite=overwrite)
+    summary = run_crt(options, make_reporter(json_out, quiet, verbose))
+    if json_out:
+        emit_json(summary)
+        return
+    before, after = summary["before"], summary["after"]
+    robust = ", ".join(f"{name} {before['attacks'][name]:.3f} → {after['attacks'][name]:.3f}"
+                       for name in summary["attacks"])
+    console.print(f"[green]crt {summary['phase']}[/green] {summary['out']}: {summary['steps']} steps, regulariser "
+                  f"{summary['regularizer']}; held-out accuracy clean {before['clean']:.3f} → {after['clean']:.3f}, "
+                  f"{robust}, union {before['union']:.3f} → {after['union']:.3f} ({summary['wall_time_s']} s)")

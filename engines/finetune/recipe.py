@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from mlxkit.engines.distill.recipe import OptimSpec  # one optimiser schema for every training verb
 from mlxkit.engines.core.yaml_config import load_packaged_or_file, packaged_names, validate_model
 from mlxkit.engines.errors import RecipeError
+from mlxkit.engines.robust.recipe import CrtRecipe
 
 RECIPE_PACKAGE = "mlxkit.recipes.finetune"
 
@@ -110,6 +111,19 @@ def available_recipes() -> list[str]:
     return packaged_names(RECIPE_PACKAGE)
 
 
-def load_finetune_recipe(name_or_path: str | os.PathLike) -> FinetuneRecipe:
-    """A packaged recipe by name (`htuning`, `lora`, `full`) or a YAML file by path."""
-    return load_packaged_or_file(FinetuneRecipe, name_or_path, RECIPE_PACKAGE, "recipe", RecipeError)
+class _MethodOnly(BaseModel):
+    """Reads a recipe's `method` and keeps the rest untouched, to pick the schema that validates it."""
+
+    model_config = ConfigDict(extra="allow")
+    method: Any = "lora"
+
+
+def load_finetune_recipe(name_or_path: str | os.PathLike) -> Union[FinetuneRecipe, CrtRecipe]:
+    """A packaged recipe by name (`htuning`, `lora`, `full`, `crt`) or a YAML file by path.
+
+    `method: crt` is continual robust training of a classifier (`CrtRecipe`); every other
+    method is a language-model recipe (`FinetuneRecipe`).
+    """
+    probe = load_packaged_or_file(_MethodOnly, name_or_path, RECIPE_PACKAGE, "recipe", RecipeError)
+    schema: type[Union[FinetuneRecipe, CrtRecipe]] = CrtRecipe if probe.method == "crt" else FinetuneRecipe
+    return validate_model(schema, probe.model_dump(), f"recipe {name_or_path}", RecipeError)

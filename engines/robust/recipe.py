@@ -1,0 +1,122 @@
+"""The continual-robust-training recipe (`recipes/finetune/crt.yaml`, `method: crt`).
+
+Every field is validated by pydantic when the recipe is read and again after `--set`
+overrides: an unknown key (a typo) or an out-of-range or non-finite value is one error
+naming each bad key, before any data or weights load. Each attack has its own block with
+its budget, its training steps and its evaluation steps; which attacks a run uses comes
+from the command line (`--attacks`, `--new-attack`), not from the recipe.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from mlxkit.engines.core.yaml_config import validate_model
+from mlxkit.engines.errors import RecipeError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class AttackSpec(_Strict):
+    """One threat model: the budget (a norm radius; for stadv, pixels of displacement) and its search."""
+
+    budget: float = Field(gt=0, le=1e6, allow_inf_nan=False)
+    steps: int = Field(10, ge=1, le=10_000)                                  # ascent steps while training
+    step_size: Optional[float] = Field(None, gt=0, le=1e6, allow_inf_nan=False)  # default 2.5·budget/steps
+    eval_steps: int = Field(20, ge=1, le=100_000)                             # a stronger attack to evaluate
+
+    def step_size_for(self, steps: int) -> float:
+        # 2.5·ε/steps (Madry et al.) lets the search cross the whole ball and come back.
+        return self.step_size if self.step_size is not None else 2.5 * self.budget / steps
+
+
+class AttacksSpec(_Strict):
+    """Budgets for every attack mlxkit has; a run picks its attacks by name."""
+
+    linf: AttackSpec = AttackSpec(budget=0.15)
+    l2: AttackSpec = AttackSpec(budget=0.75)
+    l1: AttackSpec = AttackSpec(budget=2.0)
+    stadv: AttackSpec = AttackSpec(budget=0.3)
+
+    def get(self, name: str) -> AttackSpec:
+        return getattr(self, name)
+
+
+class RegularizerSpec(_Strict):
+    """λ·E‖f(x′) − f(x)‖₂ on the logits; `alr` searches x′ in the attack's threat model, `ur` draws it."""
+
+    kind: Literal["none", "alr", "ur"] = "alr"
+    weight: float = Field(1.0, ge=0, le=1e6, allow_inf_nan=False)   # λ
+    sigma: float = Field(2.0, gt=0, le=1e6, allow_inf_nan=False)    # ur: ℓ2 radius of the noise
+
+
+class SamplerSpec(_Strict):
+    momentum: float = Field(0.9, ge=0, lt=1, allow_inf_nan=False)   # running accuracy: weight of the history
+    probe_examples: int = Field(128, ge=1)                          # training examples that set its start
+
+
+class DataSpec(_Strict):
+    low: float = Field(0.0, allow_inf_nan=False)    # the valid input range every attack stays inside
+    high: float = Field(1.0, allow_inf_nan=False)
+    held_out_examples: int = Field(200, ge=1)       # evaluation examples (split off --data without --eval-data)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "DataSpec":
+        if not self.low < self.high:
+            raise ValueError(f"data.low ({self.low}) must be below data.high ({self.high})")
+        return self
+
+
+class OptimSpec(_Strict):
+    optimizer: Literal["sgd", "adamw"] = "sgd"
+    momentum: float = Field(0.9, ge=0, lt=1, allow_inf_nan=False)   # sgd only
+    weight_decay: float = Field(5e-4, ge=0, le=1, allow_inf_nan=False)
+    batch_size: int = Field(64, ge=1, le=1 << 20)
+    grad_clip: float = Field(0.0, ge=0, allow_inf_nan=False)         # 0: no clipping
+
+
+class PhaseSpec(_Strict):
+    """Steps and learning rate of one phase: initial training, or fine-tuning on a new attack."""
+
+    steps: int = Field(ge=1, le=10_000_000)
+    lr: float = Field(gt=0, le=10, allow_inf_nan=False)
+    schedule: Literal["constant", "cosine"] = "constant"
+
+
+class ScheduleSpec(_Strict):
+    eval_every: int = Field(100, ge=1)
+    checkpoint_every: int = Field(50, ge=1)
+
+
+class CrtRecipe(_Strict):
+    name: str = "custom"
+    description: str = ""
+    method: Literal["crt"] = "crt"
+    attacks: AttacksSpec = AttacksSpec()
+    regularizer: RegularizerSpec = RegularizerSpec()
+    sampler: SamplerSpec = SamplerSpec()
+    data: DataSpec = DataSpec()
+    optim: OptimSpec = OptimSpec()
+    train: PhaseSpec = PhaseSpec(steps=400, lr=0.05, schedule="cosine")
+    finetune: PhaseSpec = PhaseSpec(steps=150, lr=0.005, schedule="constant")
+    schedule: ScheduleSpec = ScheduleSpec()
+
+    # Copied from engines/finetune/recipe.py (FinetuneRecipe.with_overrides), for this schema.
+    def with_overrides(self, overrides: dict[str, Any]) -> "CrtRecipe":
+        """A copy with dotted keys replaced (`attacks.l2.budget=0.5`, `regularizer.kind=ur`), validated again."""
+        data = self.model_dump()
+        for dotted, value in overrides.items():
+            node = data
+            *parents, leaf = dotted.split(".")
+            for key in parents:
+                if not isinstance(node.get(key), dict):
+                    raise RecipeError(f"unknown recipe key '{dotted}'")
+                node = node[key]
+            if leaf not in node:
+                raise RecipeError(f"unknown recipe key '{dotted}'")
+            node[leaf] = value
+        return validate_model(CrtRecipe, data, "recipe with overrides", RecipeError)

@@ -1,0 +1,365 @@
+"""`mlx finetune --recipe crt`: adversarial training of a classifier, then fine-tuning for a new attack.
+
+Two phases, one run class:
+  * train (`--attacks linf[,..]`): from a model config (fresh weights) or a trained model;
+    the recipe's `train` steps and learning rate.
+  * finetune (`--new-attack l2`): from a trained model, with a fresh optimiser and the
+    recipe's `finetune` steps and learning rate. The old attacks are those the model was
+    trained against (its manifest records them) unless `--attacks` names them.
+Each step draws one attack from the run's attacks with probability ∝ its running robust
+training error (`sampler`), trains on the adversarial cross-entropy of the batch plus the
+logit-distance regulariser (`regularizers`) and updates that attack's running accuracy.
+The data order, the attack drawn and every random start are functions of the seed and the
+step, so the step, the optimiser, the weights and the sampler's state are the whole state.
+
+Work in progress lives beside the output, in `.<out>.crt-work/` (run key, latest checkpoint,
+log); a rerun of the same command resumes there and ends with the same weights as an
+uninterrupted run. The output (weights, config.json, log, manifest) is written atomically.
+Every check of the user's input runs before the work directory is created, so a refused
+run leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from mlxkit.engines.core.atomic import atomic_output_dir
+from mlxkit.engines.core.distributed import Distributed
+from mlxkit.engines.core.manifest import MANIFEST_NAME, Manifest, content_hash
+from mlxkit.engines.core.progress import Reporter
+from mlxkit.engines.core.seeds import derive_seed, seeded_generator
+from mlxkit.engines.distill.checkpoint import (TrainingState, append_log, check_run_key, load_checkpoint,
+                                               save_checkpoint, truncate_log)
+from mlxkit.engines.distill.trainer import batch_indices
+from mlxkit.engines.errors import InputError, NonFiniteError
+from mlxkit.engines.robust.attacks import ATTACK_NAMES, Attack, cross_entropy_objective, make_attack
+from mlxkit.engines.robust.classifier import (Classifier, build_classifier, is_classifier_dir, load_classifier,
+                                              read_classifier_config, save_classifier_files)
+from mlxkit.engines.robust.data import read_npz, split_held_out
+from mlxkit.engines.robust.evaluation import robustness_report
+from mlxkit.engines.robust.recipe import CrtRecipe, PhaseSpec
+from mlxkit.engines.robust.regularizers import alr_point, logit_distance, uniform_point
+from mlxkit.engines.robust.sampler import ContinualSampler
+
+LOG_NAME = "crt_log.jsonl"
+TRAINED_ATTACKS_KEY = "attacks_trained"  # manifest settings: every attack the model has been trained against
+
+
+@dataclass(frozen=True)
+class CrtOptions:
+    model: str                        # a model config (.json/.yaml) or a trained classifier directory
+    data: Path
+    out: Path
+    recipe: CrtRecipe
+    attacks: tuple[str, ...] = ()     # train: the attacks; finetune: the old attacks (default: the model's record)
+    new_attack: str | None = None     # set: fine-tune for this attack
+    eval_data: Path | None = None
+    seed: int = 0
+    overwrite: bool = False
+    stop_after_steps: int | None = None  # leave a resumable checkpoint and stop (tests, time-boxed runs)
+    manifest_extra: dict[str, Any] = field(default_factory=dict)
+
+
+def work_dir_for(out: Path) -> Path:
+    out = Path(out).expanduser().resolve()
+    return out.parent / f".{out.name}.crt-work"
+
+
+def build_attacks(recipe: CrtRecipe, names: list[str], *, for_eval: bool = False) -> dict[str, Attack]:
+    """The named attacks with the recipe's budgets; `for_eval` uses each attack's evaluation steps."""
+    attacks = {}
+    for name in names:
+        spec = recipe.attacks.get(name)
+        steps = spec.eval_steps if for_eval else spec.steps
+        attacks[name] = make_attack(name, spec.budget, steps, spec.step_size_for(steps), recipe.data.low,
+                                    recipe.data.high)
+    return attacks
+
+
+def trained_attacks(model_dir: Path) -> list[str] | None:
+    """The attacks a trained classifier was trained against, from its manifest (None when not recorded)."""
+    path = Path(model_dir) / MANIFEST_NAME
+    if not path.is_file():
+        return None
+    try:
+        recorded = json.loads(path.read_text()).get("settings", {}).get(TRAINED_ATTACKS_KEY)
+    except (json.JSONDecodeError, AttributeError):
+        return None
+    if not isinstance(recorded, list) or not all(isinstance(n, str) and n in ATTACK_NAMES for n in recorded):
+        return None
+    return recorded
+
+
+def phase_learning_rate(step: int, phase: PhaseSpec) -> float:
+    """Constant, or cosine from `lr` down to 0 over the phase's steps."""
+    if phase.schedule == "constant":
+        return phase.lr
+    return phase.lr * 0.5 * (1 + math.cos(math.pi * step / phase.steps))
+
+
+class CrtRun:
+    """Setup, train, save: one readable recipe over the shared building blocks."""
+
+    def __init__(self, options: CrtOptions, reporter: Reporter | None = None):
+        self.options = options
+        self.recipe = options.recipe
+        self.reporter = reporter or Reporter()
+        self.out = Path(options.out).expanduser().resolve()
+        self.work = work_dir_for(self.out)
+        self.started = time.time()
+        self.phase_name = "train" if options.new_attack is None else "finetune"
+        self.phase = self.recipe.train if options.new_attack is None else self.recipe.finetune
+
+    # ------------------------------------------------------------------ setup
+    def setup(self) -> None:
+        """Check everything and load; the work directory appears only once all checks passed."""
+        options, recipe = self.options, self.recipe
+        if self.out.exists() and not options.overwrite:
+            raise InputError(f"output '{self.out}' already exists (pass --overwrite to replace it)")
+        self.model_path = Path(options.model).expanduser()
+        self._check_attack_names()
+        if is_classifier_dir(self.model_path):
+            self.model: Classifier = load_classifier(self.model_path)
+        elif self.model_path.is_dir():
+            raise InputError(f"model '{self.model_path}' is a directory without config.json (pass a trained "
+                             "classifier directory or a model config file)")
+        elif not self.model_path.is_file():
+            raise InputError(f"model '{options.model}' does not exist (pass a model config .json/.yaml, or a "
+                             "trained classifier directory)")
+        elif options.new_attack is not None:
+            raise InputError("--new-attack fine-tunes a trained classifier: --model must be the directory an "
+                             "earlier `mlx finetune --recipe crt` wrote, not a model config")
+        else:
+            config = read_classifier_config(self.model_path)
+            self.model = build_classifier(config, derive_seed(options.seed, "crt-init"))
+        config = self.model.config
+        self.attack_names, self.old_attacks = self._attack_names()
+        if "stadv" in self.attack_names and not config.is_image:
+            raise InputError(f"the stadv attack moves pixels: the model's input_shape must be [C, H, W] "
+                             f"(got {config.input_shape})")
+        data = recipe.data
+        loaded = read_npz(options.data, config.input_shape, config.num_classes, data.low, data.high)
+        if options.eval_data is not None:
+            self.train_data = loaded
+            held = read_npz(options.eval_data, config.input_shape, config.num_classes, data.low, data.high)
+            self.eval_data = held.subset(torch.arange(min(len(held), data.held_out_examples)))
+        else:
+            self.train_data, self.eval_data = split_held_out(loaded, data.held_out_examples, options.seed)
+        self.attacks = build_attacks(recipe, self.attack_names)
+        self.eval_attacks = build_attacks(recipe, self.attack_names, for_eval=True)
+        self.optimizer = self._optimizer()
+        self.sampler = ContinualSampler({name: 0.0 for name in self.attack_names}, recipe.sampler.momentum)
+        check_run_key(self.work, self._run_key(), Distributed())
+        self.state = TrainingState(0, 0, 0, {"train_seconds": 0.0})
+        resumed = load_checkpoint(self.work / "checkpoint", self.model, self.optimizer)
+        if resumed is not None:
+            self.state = resumed
+            self.sampler = ContinualSampler.from_state(resumed.extra["sampler"])
+            self.reporter.notice(f"resuming crt {self.phase_name} at step {resumed.step} of {self.phase.steps} "
+                                 f"from {self.work / 'checkpoint'}")
+
+    def _check_attack_names(self) -> None:
+        options = self.options
+        for name in (*options.attacks, *([options.new_attack] if options.new_attack else [])):
+            if name not in ATTACK_NAMES:
+                raise InputError(f"unknown attack '{name}' (available: {', '.join(ATTACK_NAMES)})")
+        if len(set(options.attacks)) != len(options.attacks):
+            raise InputError(f"--attacks names an attack twice ({','.join(options.attacks)})")
+        if options.new_attack is None and not options.attacks:
+            raise InputError("crt training needs --attacks (e.g. --attacks linf), or --new-attack NAME to "
+                             "fine-tune a trained model")
+
+    def _attack_names(self) -> tuple[list[str], list[str]]:
+        """(every attack this run trains against, the old ones)."""
+        options = self.options
+        if options.new_attack is None:
+            return list(options.attacks), []
+        old = list(options.attacks) or trained_attacks(self.model_path)
+        if not old:
+            raise InputError(f"model '{self.model_path}' does not record the attacks it was trained against; name "
+                             "them with --attacks")
+        if options.new_attack in old:
+            raise InputError(f"the model is already trained against '{options.new_attack}' "
+                             f"(old attacks: {', '.join(old)})")
+        return [*old, options.new_attack], old
+
+    def _optimizer(self) -> torch.optim.Optimizer:
+        spec = self.recipe.optim
+        params = list(self.model.parameters())
+        if spec.optimizer == "adamw":
+            return torch.optim.AdamW(params, lr=self.phase.lr, weight_decay=spec.weight_decay)
+        return torch.optim.SGD(params, lr=self.phase.lr, momentum=spec.momentum, weight_decay=spec.weight_decay)
+
+    def _run_key(self) -> dict[str, Any]:
+        def hashed(path: Path | None) -> Any:
+            return None if path is None else {"spec": str(path), "hash": content_hash(path)}
+
+        return {"model": hashed(self.model_path), "data": hashed(self.options.data),
+                "eval_data": hashed(self.options.eval_data), "seed": self.options.seed,
+                "attacks": self.attack_names, "new_attack": self.options.new_attack,
+                "recipe": self.recipe.model_dump(exclude={"name", "description", "schedule"})}
+
+    # ------------------------------------------------------------------ train
+    def _initial_accuracy(self) -> None:
+        """Start the sampler from each attack's measured robust accuracy on a seeded sample of training data."""
+        if len(self.attack_names) == 1:
+            return  # one attack is always drawn
+        count = min(self.recipe.sampler.probe_examples, len(self.train_data))
+        order = torch.randperm(len(self.train_data), generator=seeded_generator(self.options.seed, "crt-probe"))
+        probe = self.train_data.subset(order[:count])
+        report = robustness_report(self.model, probe, self.attacks, derive_seed(self.options.seed, "crt-probe"))
+        self.sampler = ContinualSampler(dict(report["attacks"]), self.recipe.sampler.momentum)  # type: ignore[arg-type]
+
+    def _regularizer_point(self, x: torch.Tensor, attack: Attack, generator: torch.Generator) -> torch.Tensor:
+        spec = self.recipe.regularizer
+        if spec.kind == "alr":
+            return alr_point(self.model, x, attack, generator)
+        return uniform_point(x, spec.sigma, self.recipe.data.low, self.recipe.data.high, generator)
+
+    def train_step(self, step: int) -> dict[str, Any]:
+        """One optimiser step on the batch of `step`, against the attack the sampler draws for it."""
+        recipe, seed, phase = self.recipe, self.options.seed, self.phase_name
+        indices = torch.tensor(batch_indices(step, recipe.optim.batch_size, len(self.train_data), seed))
+        x, y = self.train_data.x[indices], self.train_data.y[indices]
+        name = self.sampler.choose(seeded_generator(seed, "crt-attack", phase, step))
+        attack = self.attacks[name]
+        generator = seeded_generator(seed, "crt-perturb", phase, step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = phase_learning_rate(step, self.phase)
+        x_adv = attack.perturb(self.model, x, cross_entropy_objective(y), generator)
+        logits = self.model(x_adv)
+        adversarial = F.cross_entropy(logits, y)
+        loss = adversarial
+        terms: dict[str, Any] = {"attack": name}
+        if recipe.regularizer.kind != "none":
+            penalty = logit_distance(self.model, x, self._regularizer_point(x, attack, generator))
+            loss = adversarial + recipe.regularizer.weight * penalty
+            terms["logit_distance"] = float(penalty.detach())
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if recipe.optim.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), recipe.optim.grad_clip)
+        self.optimizer.step()
+        if not math.isfinite(float(loss)):
+            raise NonFiniteError(f"the crt loss became non-finite at step {step} (try a lower learning rate)")
+        accuracy = float((logits.detach().argmax(dim=1) == y).float().mean())
+        self.sampler.update(name, accuracy)
+        return {**terms, "loss": float(loss), "adversarial_ce": float(adversarial), "robust_accuracy": accuracy}
+
+    def evaluate(self) -> dict[str, object]:
+        return robustness_report(self.model, self.eval_data, self.eval_attacks, self.options.seed)
+
+    def train(self) -> dict[str, Any] | None:
+        """Run the remaining steps; returns the summary, or None when stopped early."""
+        log = self.work / LOG_NAME
+        truncate_log(log, self.state.log_lines)
+        if self.state.step == 0 and self.state.log_lines == 0:
+            self._initial_accuracy()
+            append_log(log, {"step": 0, "sampler": self.sampler.state(), "eval": self.evaluate()}, self.state)
+        steps, every = self.phase.steps, self.recipe.schedule
+        stop = steps if self.options.stop_after_steps is None else min(steps, self.options.stop_after_steps)
+        title = f"crt {self.phase_name} ({','.join(self.attack_names)}): {steps} steps"
+        with self.reporter.task(title, total=steps) as task:
+            task.advance(self.state.step)
+            for step in range(self.state.step, stop):
+                self.model.train()
+                started = time.perf_counter()
+                terms = self.train_step(step)
+                seconds = time.perf_counter() - started
+                self.state.step = step + 1
+                self.state.tokens_seen += self.recipe.optim.batch_size  # examples seen
+                self.state.extra["train_seconds"] += seconds
+                self.state.extra["sampler"] = self.sampler.state()
+                record: dict[str, Any] = {"step": step + 1, "lr": self.optimizer.param_groups[0]["lr"], **terms,
+                                          "probabilities": self.sampler.probabilities(), "step_s": seconds,
+                                          "train_s": self.state.extra["train_seconds"]}
+                last = step + 1 == steps
+                if (step + 1) % every.eval_every == 0 or last:
+                    record["eval"] = self.evaluate()
+                append_log(log, record, self.state)
+                if ((step + 1) % every.checkpoint_every == 0 or step + 1 == stop) and not last:
+                    save_checkpoint(self.work / "checkpoint", self.model, self.optimizer, self.state)
+                task.advance()
+                task.update(loss=terms["loss"], attack=terms["attack"])
+        if self.state.step < steps:
+            return None
+        return self._summary(log)
+
+    def _summary(self, log: Path) -> dict[str, Any]:
+        records = [json.loads(line) for line in log.read_text().splitlines()]
+        evals = [r["eval"] for r in records if "eval" in r]
+        steps = [r for r in records if "step_s" in r]
+        counts = {name: sum(1 for r in steps if r["attack"] == name) for name in self.attack_names}
+        step_seconds = sorted(r["step_s"] for r in steps)
+        return {"method": "crt", "phase": self.phase_name, "attacks": self.attack_names,
+                "old_attacks": self.old_attacks, "new_attack": self.options.new_attack,
+                "regularizer": self.recipe.regularizer.kind, "regularizer_weight": self.recipe.regularizer.weight,
+                "steps": self.phase.steps, "examples": self.state.tokens_seen,
+                "parameters": sum(p.numel() for p in self.model.parameters()),
+                "attack_counts": counts, "sampler": {"accuracy": self.sampler.accuracy,
+                                                     "probabilities": self.sampler.probabilities()},
+                "before": evals[0], "after": evals[-1],
+                "train_seconds": round(self.state.extra["train_seconds"], 3),
+                "median_step_s": step_seconds[len(step_seconds) // 2] if step_seconds else None}
+
+    # ------------------------------------------------------------------ save
+    def save(self, summary: dict[str, Any]) -> Path:
+        options = self.options
+        manifest = Manifest(verb="finetune", started=self.started)
+        manifest.add_input("model", options.model, self.model_path)
+        manifest.add_input("data", str(options.data), options.data)
+        if options.eval_data is not None:
+            manifest.add_input("eval_data", str(options.eval_data), options.eval_data)
+        manifest.seeds = {"seed": options.seed}
+        manifest.settings = {"recipe": self.recipe.model_dump(), "phase": self.phase_name,
+                             TRAINED_ATTACKS_KEY: self.attack_names, "new_attack": options.new_attack,
+                             **options.manifest_extra}
+        self.model.eval()
+        with atomic_output_dir(self.out, overwrite=options.overwrite) as tmp:
+            save_classifier_files(self.model, tmp)
+            manifest.results = {**summary, "log": LOG_NAME}
+            shutil.copyfile(self.work / LOG_NAME, tmp / LOG_NAME)
+            manifest.write(tmp)
+        shutil.rmtree(self.work, ignore_errors=True)
+        return self.out
+
+
+@contextlib.contextmanager
+def one_intra_op_thread() -> Iterator[None]:
+    """Run on one intra-op thread, then restore the setting.
+
+    These classifiers are small: each op is microseconds of work, so thread hand-offs dominate.
+    On a shared 2-core machine a 64×128 linear layer ran about 50× slower on two threads than on one.
+    """
+    before = torch.get_num_threads()
+    if before == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def run_crt(options: CrtOptions, reporter: Reporter | None = None) -> dict[str, Any]:
+    """Train (or resume) and save; returns the summary ({} when stopped early)."""
+    run = CrtRun(options, reporter)
+    with one_intra_op_thread():
+        run.setup()
+        summary = run.train()
+    if summary is None:
+        return {}
+    out = run.save(summary)
+    return {**summary, "out": str(out), "wall_time_s": round(time.time() - run.started, 1)}
+
