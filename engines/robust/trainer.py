@@ -250,11 +250,11 @@ class CrtRun:
         if recipe.optim.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), recipe.optim.grad_clip)
         self.optimizer.step()
-        if not math.isfinite(float(loss)):
+        if not math.isfinite(loss.item()):
             raise NonFiniteError(f"the crt loss became non-finite at step {step} (try a lower learning rate)")
         accuracy = float((logits.detach().argmax(dim=1) == y).float().mean())
         self.sampler.update(name, accuracy)
-        return {**terms, "loss": float(loss), "adversarial_ce": float(adversarial), "robust_accuracy": accuracy}
+        return {**terms, "loss": loss.item(), "adversarial_ce": adversarial.item(), "robust_accuracy": accuracy}
 
     def evaluate(self) -> dict[str, object]:
         return robustness_report(self.model, self.eval_data, self.eval_attacks, self.options.seed)
