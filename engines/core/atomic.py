@@ -1,13 +1,15 @@
 """Atomic writes: every output file and directory appears whole or not at all.
 
 This is the only module that creates temporary siblings and renames them into place.
-Temporary names start with `.<name>.tmp-`, so a later run on the same output can find
-and remove what a killed run left behind (`remove_stale_temporaries`).
+Temporary names are `.<name>.tmp-<pid>-<random>`, so a later run on the same output can find
+what a killed run left behind and remove it (`remove_stale_temporaries`) while leaving alone
+the temporaries of a process that is still writing, such as another rank of a torchrun job.
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import shutil
@@ -24,12 +26,33 @@ def _temp_prefix(path: Path) -> str:
     return f".{path.name}{TEMP_MARK}"
 
 
+def _own_temp_prefix(path: Path) -> str:
+    return f"{_temp_prefix(path)}{os.getpid()}-"
+
+
+def _writer_alive(temporary: Path, prefix: str) -> bool:
+    """Whether the process named in a temporary's name still runs (names without a pid are stale)."""
+    pid = temporary.name[len(prefix):].split("-", 1)[0]
+    if not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
 def remove_stale_temporaries(path: str | os.PathLike) -> list[Path]:
-    """Delete temporaries of `path` left by a killed run (same parent, `.<name>.tmp-*`)."""
+    """Delete temporaries of `path` left by killed runs (same parent, `.<name>.tmp-*`, writer gone)."""
     path = Path(path)
     removed = []
     if path.parent.is_dir():
-        for stale in path.parent.glob(_temp_prefix(path) + "*"):
+        prefix = _temp_prefix(path)
+        for stale in path.parent.glob(glob.escape(prefix) + "*"):
+            if _writer_alive(stale, prefix):
+                continue
             if stale.is_dir() and not stale.is_symlink():
                 shutil.rmtree(stale, ignore_errors=True)
             else:
@@ -54,7 +77,7 @@ def atomic_output_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterat
         raise InputError(f"output '{out}' exists and is not a directory")
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(out)
-    tmp = Path(tempfile.mkdtemp(prefix=_temp_prefix(out), dir=out.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=_own_temp_prefix(out), dir=out.parent))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the output is an ordinary directory
     try:
         yield tmp
@@ -62,7 +85,7 @@ def atomic_output_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterat
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if out.exists():
-        trash = out.with_name(f"{_temp_prefix(out)}old-{os.getpid()}")
+        trash = out.with_name(f"{_own_temp_prefix(out)}old")
         os.replace(out, trash)
         os.replace(tmp, out)
         shutil.rmtree(trash, ignore_errors=True)
@@ -79,7 +102,8 @@ def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=_temp_prefix(path), suffix=path.suffix, dir=path.parent)
+    remove_stale_temporaries(path)
+    fd, tmp_name = tempfile.mkstemp(prefix=_own_temp_prefix(path), suffix=path.suffix, dir=path.parent)
     os.close(fd)
     tmp = Path(tmp_name)
     try:

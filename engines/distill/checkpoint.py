@@ -14,6 +14,7 @@ position on resume, so a resumed log equals an uninterrupted one.
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from safetensors.torch import load_model as load_weights
 from safetensors.torch import save_model as save_weights
 
-from mlxkit.engines.core.atomic import atomic_output_dir, atomic_write_json
+from mlxkit.engines.core.atomic import atomic_output_dir, atomic_write_json, atomic_write_text
 from mlxkit.engines.core.distributed import Distributed
 from mlxkit.engines.errors import InputError
 
@@ -86,9 +87,12 @@ def _load_trainable(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) ->
             param.copy_(tensors[name])
 
 
+RUN_KEY = "run.json"
+
+
 def check_run_key(work: Path, key: dict[str, Any], dist: Distributed) -> None:
     """Refuse to resume a run in `work` that was started with other settings; record the key of a new one."""
-    key_file = work / "run.json"
+    key_file = work / RUN_KEY
     key = json.loads(json.dumps(key, default=str))
     if key_file.exists():
         previous = json.loads(key_file.read_text())
@@ -102,12 +106,34 @@ def check_run_key(work: Path, key: dict[str, Any], dist: Distributed) -> None:
     dist.barrier()
 
 
+def finished_run_key(work: Path) -> dict[str, Any]:
+    """The run key to record in the finished output's manifest, so a later run can tell whose work is left."""
+    return json.loads((work / RUN_KEY).read_text())
+
+
+def refuse_existing_output(out: Path, work: Path, dist: Distributed) -> None:
+    """An existing `out` is an error. A work directory that the run which wrote `out` left behind
+    (killed between putting `out` in place and removing its work) is removed first."""
+    if not out.exists():
+        return
+    finished = ""
+    if dist.is_main and (work / RUN_KEY).is_file() and (out / "mlxkit.json").is_file():
+        try:
+            recorded = json.loads((out / "mlxkit.json").read_text()).get("settings", {}).get("run_key")
+            if recorded is not None and recorded == json.loads((work / RUN_KEY).read_text()):
+                shutil.rmtree(work, ignore_errors=True)
+                finished = "; an earlier run of this command finished it"
+        except (OSError, ValueError, AttributeError):
+            pass  # not ours to judge: leave the work directory alone
+    raise InputError(f"output '{out}' already exists{finished} (pass --overwrite to replace it)")
+
+
 def truncate_log(log: Path, lines: int) -> None:
     """Drop log records written after the checkpoint we resume from, so a resumed log equals an uninterrupted one."""
     if not log.exists():
         return
     kept = log.read_text().splitlines()[:lines]
-    log.write_text("".join(line + "\n" for line in kept))
+    atomic_write_text(log, "".join(line + "\n" for line in kept))
 
 
 def append_log(log: Path, record: dict[str, Any], state: TrainingState) -> None:

@@ -37,8 +37,9 @@ from mlxkit.engines.core.distributed import Distributed, gradients
 from mlxkit.engines.core.manifest import Manifest, content_hash
 from mlxkit.engines.core.progress import Reporter
 from mlxkit.engines.core.seeds import seeded_generator
-from mlxkit.engines.distill.checkpoint import (TrainingState, append_log, check_run_key, load_checkpoint,
-                                               save_checkpoint, truncate_log)
+from mlxkit.engines.distill.checkpoint import (TrainingState, append_log, check_run_key, finished_run_key,
+                                               load_checkpoint, refuse_existing_output, save_checkpoint,
+                                               truncate_log)
 from mlxkit.engines.distill.losses import cosine_distance_sum, logit_term_sums
 from mlxkit.engines.distill.recipe import DistillRecipe
 from mlxkit.engines.errors import InputError, NonFiniteError
@@ -108,8 +109,8 @@ class DistillationRun:
     def setup(self) -> None:
         from mlxkit.engines.models.loading import load_model
 
-        if self.out.exists() and not self.options.overwrite:
-            raise InputError(f"output '{self.out}' already exists (pass --overwrite to replace it)")
+        if not self.options.overwrite:
+            refuse_existing_output(self.out, self.work, self.dist)
         spec = self.recipe.optim
         if spec.batch_sequences % self.dist.world_size:
             raise InputError(f"the global batch ({spec.batch_sequences} sequences) must divide evenly over "
@@ -314,7 +315,7 @@ class DistillationRun:
             manifest.add_input("data", str(self.options.data), self.options.data)
         manifest.seeds = {"seed": self.options.seed}
         manifest.settings = {"mode": self.options.mode, "recipe": self.recipe.model_dump(), "steps": self.steps,
-                             **self.options.manifest_extra}
+                             "run_key": finished_run_key(self.work), **self.options.manifest_extra}
         manifest.results = {**summary, "log": LOG_NAME}
         self.student.eval()
         self.student.generation_config = self.generation_config

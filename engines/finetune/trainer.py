@@ -33,8 +33,9 @@ from mlxkit.engines.core.distributed import Distributed
 from mlxkit.engines.core.manifest import Manifest, content_hash
 from mlxkit.engines.core.progress import Reporter
 from mlxkit.engines.core.seeds import derive_seed
-from mlxkit.engines.distill.checkpoint import (TrainingState, append_log, check_run_key, load_checkpoint,
-                                               save_checkpoint, truncate_log)
+from mlxkit.engines.distill.checkpoint import (TrainingState, append_log, check_run_key, finished_run_key,
+                                               load_checkpoint, refuse_existing_output, save_checkpoint,
+                                               truncate_log)
 from mlxkit.engines.distill.trainer import batch_indices, learning_rate
 from mlxkit.engines.errors import InputError, NonFiniteError
 from mlxkit.engines.finetune.data import (Batch, Examples, LabelledTexts, classification_examples, lm_examples,
@@ -126,8 +127,8 @@ class FinetuneRun:
 
     def _check_options(self) -> None:
         recipe, options = self.recipe, self.options
-        if self.out.exists() and not options.overwrite:
-            raise InputError(f"output '{self.out}' already exists (pass --overwrite to replace it)")
+        if not options.overwrite:
+            refuse_existing_output(self.out, self.work, self.dist)
         if recipe.optim.batch_sequences % self.dist.world_size:
             raise InputError(f"the global batch ({recipe.optim.batch_sequences} sequences) must divide evenly over "
                              f"{self.dist.world_size} processes")
@@ -255,7 +256,8 @@ class FinetuneRun:
         if options.eval_data is not None:
             manifest.add_input("eval_data", str(options.eval_data), options.eval_data)
         manifest.seeds = {"seed": options.seed}
-        manifest.settings = {"recipe": self.recipe.model_dump(), "merge": options.merge, **options.manifest_extra}
+        manifest.settings = {"recipe": self.recipe.model_dump(), "merge": options.merge,
+                             "run_key": finished_run_key(self.work), **options.manifest_extra}
         self.model.eval()
         with atomic_output_dir(self.out, overwrite=options.overwrite) as tmp:
             kind = save_outputs(self.model, self.peft, self.tokenizer, tmp, merge=options.merge)
