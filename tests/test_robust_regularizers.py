@@ -71,7 +71,7 @@ def test_logit_distance_gradient_matches_finite_differences():
 def test_regularised_loss_gradient_matches_manual_central_differences():
     """The training loss CE(f(x_adv)) + λ·distance, for one weight matrix, against manual central differences."""
     model = _model(torch.float64)
-    x, x_prime, x_adv = _x(seed=4, dtype=torch.float64), _x(seed=5, dtype=torch.float64), _x(seed=6, dtype=torch.float64)
+    x, x_prime, x_adv = (_x(seed=seed, dtype=torch.float64) for seed in (4, 5, 6))
     y = torch.tensor([0, 1, 2, 0, 1])
     weight = model.layers[1].weight
     lam = 0.7
