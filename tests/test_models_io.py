@@ -142,3 +142,51 @@ def test_gguf_file_loads_with_the_same_logits(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(loaded.model(IDS).logits, model(IDS).logits, rtol=1e-4, atol=1e-4)
     assert loaded.tokenizer.decode(loaded.tokenizer("hello")["input_ids"]) == "hello"
+
+
+class _WritesAMarker:
+    """A pickle payload that, if unpickled with full pickle, creates the file named by `path`."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_pickle_weights_with_the_flag_load_weights_only(tmp_path):
+    """--allow-pickle reads plain tensors from a .bin, and never runs code hidden in one."""
+    model = make_tiny_llama()
+    (tmp_path / "plain").mkdir()
+    model.config.save_pretrained(tmp_path / "plain")
+    torch.save(model.state_dict(), tmp_path / "plain" / "pytorch_model.bin")
+    loaded = load_model(str(tmp_path / "plain"), allow_pickle=True, with_tokenizer=False)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.model.state_dict()[name], tensor), name
+
+    marker = tmp_path / "pwned"
+    (tmp_path / "evil").mkdir()
+    model.config.save_pretrained(tmp_path / "evil")
+    torch.save({**model.state_dict(), "payload": _WritesAMarker(marker)}, tmp_path / "evil" / "pytorch_model.bin")
+    with pytest.raises(ModelLoadError):
+        load_model(str(tmp_path / "evil"), allow_pickle=True, with_tokenizer=False)
+    assert not marker.exists()
+
+
+def test_a_checkpoints_own_code_never_runs(tmp_path):
+    """A config whose auto_map points at modeling code in the checkpoint: refused, the code not imported."""
+    import json
+
+    model = make_tiny_llama()
+    model.save_pretrained(tmp_path / "custom")
+    marker = tmp_path / "imported"
+    (tmp_path / "custom" / "modeling_evil.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    config = json.loads((tmp_path / "custom" / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "modeling_evil.EvilConfig",
+                          "AutoModelForCausalLM": "modeling_evil.EvilModel"}
+    (tmp_path / "custom" / "config.json").write_text(json.dumps(config))
+    try:
+        load_model(str(tmp_path / "custom"), with_tokenizer=False)
+    except ModelLoadError:
+        pass  # refusing is fine; loading as the plain Llama the model_type names is fine too
+    assert not marker.exists()

@@ -7,7 +7,9 @@ invalid key by its dotted path.
 
 from __future__ import annotations
 
+import importlib
 import os
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Any, TypeVar
@@ -55,9 +57,28 @@ def load_yaml_model(model: type[ModelT], text: str, origin: str, error: type[Inp
     return validate_model(model, read_yaml_mapping(text, origin, error), origin, error)
 
 
+_PACKAGED_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
+
+
 def packaged_names(package: str) -> list[str]:
     """The YAML files shipped in `package`, by stem."""
-    return sorted(p.name[:-5] for p in resources.files(package).iterdir() if p.name.endswith(".yaml"))
+    stems = [p.name[:-5] for p in resources.files(package).iterdir() if p.name.endswith(".yaml")]
+    return sorted(stem for stem in stems if packaged_yaml(package, stem) is not None)
+
+
+def packaged_yaml(package: str, name: str) -> Path | None:
+    """The YAML file shipped in `package` under `name`, or None.
+
+    A name is a plain word (no separators, no `..`), and the file it names must lie inside the
+    package once symlinks are resolved: a name never reaches a file elsewhere on the machine.
+    """
+    if not _PACKAGED_NAME.fullmatch(name):
+        return None
+    root = Path(next(iter(importlib.import_module(package).__path__))).resolve()
+    candidate = (root / f"{name}.yaml").resolve()
+    if candidate.parent != root or not candidate.is_file():
+        return None
+    return candidate
 
 
 def load_packaged_or_file(model: type[ModelT], name_or_path: str | os.PathLike, package: str, what: str,
@@ -71,8 +92,8 @@ def load_packaged_or_file(model: type[ModelT], name_or_path: str | os.PathLike, 
         if not path.is_file():
             raise error(f"{what} file '{path}' does not exist")
         return load_yaml_model(model, path.read_text(), f"{what} {path}", error)
-    resource = resources.files(package) / f"{name_or_path}.yaml"
-    if not resource.is_file():
+    resource = packaged_yaml(package, str(name_or_path))
+    if resource is None:
         raise error(f"unknown {what} '{name_or_path}' (available: {', '.join(packaged_names(package))}, "
                     "or a path to a YAML file)")
     return load_yaml_model(model, resource.read_text(), f"{what} {name_or_path} (packaged)", error)

@@ -29,7 +29,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from mlxkit.engines.core.yaml_config import load_yaml_model
+from mlxkit.engines.core.yaml_config import load_yaml_model, packaged_yaml
 from mlxkit.engines.errors import InputError
 from mlxkit.engines.hardware.scenario import DTYPE_BYTES, Scenario
 
@@ -166,8 +166,8 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
             raise InputError(f"hardware profile file '{text_name}' does not exist")
         return load_yaml_model(HardwareProfile, path.read_text(), f"hardware profile {path}")
     key = text_name.lower()
-    resource = resources.files("mlxkit.hw_profiles") / f"{key}.yaml"
-    if not resource.is_file():
+    resource = packaged_yaml("mlxkit.hw_profiles", key)
+    if resource is None:
         raise InputError(f"unknown hardware profile '{text_name}'; available: {', '.join(available_profiles())} "
                          "(or pass a path to a YAML profile, e.g. one written by `mlx calibrate`)")
     return load_yaml_model(HardwareProfile, resource.read_text(), f"hardware profile hw_profiles/{key}.yaml")

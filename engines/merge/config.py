@@ -30,7 +30,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from mlxkit.engines.core.sizes import parse_bytes
-from mlxkit.engines.core.yaml_config import read_yaml_mapping, validate_model
+from mlxkit.engines.core.yaml_config import packaged_yaml, read_yaml_mapping, validate_model
 from mlxkit.engines.errors import InputError, RecipeError
 from mlxkit.engines.merge.params import ALPHA, ALPHA_GRID_POINT, ParamDef
 
@@ -370,8 +370,8 @@ def read_recipe(path: str | Path) -> dict[str, Any]:
     """The raw mapping of a YAML recipe: a file, or a bundled name under mlxkit.recipes/merge."""
     p = Path(path)
     if not p.exists():
-        bundled = Path(__file__).resolve().parents[2] / "recipes" / "merge" / f"{path}.yaml"
-        if not bundled.exists():
+        bundled = packaged_yaml("mlxkit.recipes.merge", str(path))
+        if bundled is None:
             raise RecipeError(f"recipe '{path}' is neither a file nor a bundled merge recipe")
         p = bundled
     try:

@@ -9,6 +9,7 @@ A spec is one of:
 
 from __future__ import annotations
 
+import pickle
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -152,6 +153,10 @@ def load_model(spec: str | ModelSource, *, dtype: str = "float32", allow_pickle:
     try:
         model = AutoModelForCausalLM.from_pretrained(name, dtype=getattr(torch, dtype),
                                                      trust_remote_code=trust_remote_code, **kwargs)
+    except pickle.UnpicklingError as exc:
+        # transformers reads pickle weights with torch.load(weights_only=True): anything but tensors stops it.
+        raise ModelLoadError(f"model '{source.spec}' has pickle weights holding objects other than tensors, "
+                             "which could run code; refused even with --allow-pickle") from exc
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         raise ModelLoadError(f"could not load model '{source.spec}': {_first_line(exc)}") from exc
     model.eval()
