@@ -18,9 +18,9 @@ from mlxkit.cli._options import (AllowPickleOpt, JsonOpt, OverwriteOpt, QuietOpt
 
 @guarded
 def finetune_command(
-    out: Annotated[Path, typer.Option("--out", "-o", help="Output: a peft adapter directory (htuning, lora), or a "
-                                      "whole checkpoint (full, --merge), or a classifier directory (crt); an unfinished "
-                                      "run there is resumed.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Output: a peft adapter directory (htuning, lora), a "
+                                      "whole checkpoint (full, --merge) or a classifier directory (crt); an "
+                                      "unfinished run there is resumed.")],
     data: Annotated[Optional[Path], typer.Option("--data", help="Training data: text (.txt, .jsonl with --text-field, "
                                                  "a directory of .txt) or, for classification, .jsonl with text "
                                                  "and label fields; crt: .npz with arrays x and y.")] = None,
