@@ -222,3 +222,102 @@ _recipe_docs = st.one_of(
 def test_yaml_recipe_loading(text, which):
     model = _recipe_models()[which]
     _typed_or_valid(load_yaml_model, model, text, "recipe fuzz.yaml")
+
+
+# ---------------------------------------------------------------------------------------------- GGUF, config.json, library
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    """A valid GGUF of the tiny Llama (a path, so failure reports do not print its bytes)."""
+    from conftest import make_char_tokenizer, make_tiny_llama
+    from test_models_io import write_tiny_gguf
+
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    write_tiny_gguf(make_tiny_llama(), make_char_tokenizer(), path)
+    return path
+
+
+# Mutations of a valid file: cut it short, or overwrite a few bytes (mostly in the header and
+# metadata, where a parser decides how much to read and where).
+_mutations = st.one_of(
+    st.tuples(st.just("truncate"), st.floats(0, 1), st.binary(max_size=0)),
+    st.tuples(st.just("overwrite"), st.one_of(st.floats(0, 0.05), st.floats(0, 1)), st.binary(min_size=1, max_size=8)),
+)
+
+
+def _mutate(blob: bytes, mutation) -> bytes:
+    kind, where, data = mutation
+    at = int(where * len(blob))
+    if kind == "truncate":
+        return blob[:at]
+    return blob[:at] + data + blob[at + len(data):]
+
+
+@settings(BOUNDED, max_examples=max(20, EXAMPLES // 3))
+@given(mutation=_mutations)
+def test_gguf_file(tmp_path_factory, tiny_gguf, mutation):
+    """A mutated GGUF loads (a mutation in tensor data can still be a valid file) or is one typed error."""
+    from mlxkit.engines.errors import MlxkitError
+    from mlxkit.engines.models.loading import load_model
+
+    path = tmp_path_factory.mktemp("mutated") / "model.gguf"
+    path.write_bytes(_mutate(tiny_gguf.read_bytes(), mutation))
+    try:
+        load_model(str(path), with_tokenizer=False)
+    except MlxkitError:
+        pass
+
+
+_config_values = st.one_of(st.none(), st.booleans(), st.integers(-2, 10**12), st.floats(), st.text(max_size=4),
+                           st.lists(st.integers(-1, 4), max_size=3))
+_CONFIG_KEYS = ["model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "vocab_size", "max_position_embeddings", "rope_theta", "head_dim",
+                "tie_word_embeddings", "rms_norm_eps", "rope_scaling", "architectures"]
+
+
+@BOUNDED
+@given(changes=st.dictionaries(st.sampled_from(_CONFIG_KEYS), _config_values, max_size=3),
+       drop=st.lists(st.sampled_from(_CONFIG_KEYS), max_size=2), raw=st.one_of(st.none(), st.text(max_size=30)))
+def test_config_json(tmp_path_factory, changes, drop, raw):
+    """A config.json with changed, missing or unparseable fields: a config, or one typed error."""
+    from mlxkit.engines.errors import MlxkitError
+    from mlxkit.engines.models.loading import load_config
+
+    config = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128, "max_position_embeddings": 256}
+    config.update(changes)
+    for key in drop:
+        config.pop(key, None)
+    path = tmp_path_factory.mktemp("config") / "config.json"
+    path.write_text(raw if raw is not None else json.dumps(config))
+    try:
+        load_config(str(path))
+    except MlxkitError:
+        pass
+
+
+_LIBRARY = os.path.join(os.path.dirname(__file__), "fixtures", "nvlabs_library_small.json")
+
+
+def _replace_at(document, path: list[int], value):
+    """`document` with the subtree reached by the index choices in `path` replaced by `value`."""
+    if not path or not isinstance(document, (dict, list)) or not document:
+        return value
+    keys = list(document) if isinstance(document, dict) else list(range(len(document)))
+    key = keys[path[0] % len(keys)]
+    copy = dict(document) if isinstance(document, dict) else list(document)
+    copy[key] = _replace_at(document[key], path[1:], value)
+    return copy
+
+
+@BOUNDED
+@given(path=st.lists(st.integers(0, 50), max_size=5), value=_yaml_values)
+def test_library_json(tmp_path_factory, path, value):
+    """A block library (the NVlabs layout, converted on read) with one subtree replaced: a library or InputError."""
+    from mlxkit.engines.puzzle.library import read_library
+
+    with open(_LIBRARY) as handle:
+        document = json.load(handle)
+    target = tmp_path_factory.mktemp("library") / "library.json"
+    target.write_text(json.dumps(_replace_at(document, path, value)))
+    _typed_or_valid(read_library, target)

@@ -101,10 +101,32 @@ def _check_weights_format(source: ModelSource, allow_pickle: bool) -> None:
     raise ModelLoadError(f"model directory '{source.spec}' has no weight files")
 
 
+def check_gguf_file(path: Path) -> None:
+    """Parse a GGUF file's header, metadata and tensor table before transformers reads it.
+
+    gguf's reader trusts the lengths and offsets it reads, so a truncated or corrupt file fails
+    inside it with struct, overflow or numpy errors; here any failure is one `ModelLoadError`.
+    The reader maps the file, so this reads no tensor data.
+    """
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+        size = path.stat().st_size
+        for tensor in reader.tensors:
+            end = int(tensor.data_offset) + int(tensor.n_bytes)
+            if end > size or tensor.data.nbytes != int(tensor.n_bytes):
+                raise ValueError(f"tensor '{tensor.name}' ends at byte {end}, past the file's {size}")
+    except Exception as exc:  # noqa: BLE001 - a third-party parser on untrusted bytes: every failure is the file's
+        raise ModelLoadError(f"GGUF file '{path}' is truncated or corrupt ({_first_line(exc)})") from None
+
+
 def check_local_weights(source: ModelSource, allow_pickle: bool = False) -> None:
     """Refuse a local checkpoint whose weights are pickle-only, missing, truncated or corrupt (reads no tensors)."""
     _check_weights_format(source, allow_pickle)
-    if source.path is not None:  # a truncated or corrupt shard becomes one clean error, not a Rust traceback
+    if source.kind == "gguf" and source.path is not None:
+        check_gguf_file(source.path)
+    elif source.path is not None:  # a truncated or corrupt shard becomes one clean error, not a Rust traceback
         validate_safetensors_dir(source.path)
 
 
@@ -118,6 +140,8 @@ def load_config(spec: str, *, trust_remote_code: bool = False, reporter: Reporte
 
     source = resolve_spec(spec, reporter)
     check_hub_reachable(source)
+    if source.kind == "gguf" and source.path is not None:
+        check_gguf_file(source.path)
     name, kwargs = source.load_args
     try:
         return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code, **kwargs)
@@ -140,6 +164,7 @@ def load_model(spec: str | ModelSource, *, dtype: str = "float32", allow_pickle:
                reporter: Reporter | None = None) -> LoadedModel:
     """Load a causal LM (in `dtype`, float32 by default) and its tokenizer, in eval mode."""
     import torch
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoModelForCausalLM
 
     register_auto_classes()
@@ -157,7 +182,7 @@ def load_model(spec: str | ModelSource, *, dtype: str = "float32", allow_pickle:
         # transformers reads pickle weights with torch.load(weights_only=True): anything but tensors stops it.
         raise ModelLoadError(f"model '{source.spec}' has pickle weights holding objects other than tensors, "
                              "which could run code; refused even with --allow-pickle") from exc
-    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+    except (OSError, ValueError, KeyError, RuntimeError, TypeError, ZeroDivisionError, StrictDataclassError) as exc:
         raise ModelLoadError(f"could not load model '{source.spec}': {_first_line(exc)}") from exc
     model.eval()
     forget_gguf_quantization(model)

@@ -117,7 +117,7 @@ def block_choice(name: str, stats: Mapping[str, Any] | None = None) -> BlockChoi
             if not match:
                 raise InputError(f"cannot read the KV heads of '{attention_text}'")
             kv = int(match.group(1))
-        attention = AttentionVariant("gqa", int(kv))
+        attention = AttentionVariant("gqa", _positive_count(kv, f"num_kv_heads of '{name}'"))
     if "no_op" in ffn_text:
         ffn = FFNVariant("no_op")
     elif "linear" in ffn_text:
@@ -129,5 +129,13 @@ def block_choice(name: str, stats: Mapping[str, Any] | None = None) -> BlockChoi
             if not match:
                 raise InputError(f"cannot read the FFN width of '{ffn_text}' (no ffn_intermediate_size stat)")
             width = int(match.group(1))
-        ffn = FFNVariant("mlp", int(width))
+        ffn = FFNVariant("mlp", _positive_count(width, f"ffn_intermediate_size of '{name}'"))
     return BlockChoice(attention, ffn)
+
+
+def _positive_count(value: Any, what: str) -> int:
+    """A stat that counts heads or channels: a positive whole number (JSON may spell it 8.0)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value \
+            or not 0 < value <= 2**31 or value != int(value):
+        raise InputError(f"{what} must be a positive whole number, not {value!r}")
+    return int(value)
