@@ -138,6 +138,17 @@ def _nvlabs(ws, name: str, edit) -> Path:
     return path
 
 
+def _gguf(ws, name: str, keep_fraction: float) -> Path:
+    """The tiny model as GGUF, cut to `keep_fraction` of its bytes."""
+    from test_models_io import write_tiny_gguf
+
+    path = ws["case"] / f"{name}.gguf"
+    write_tiny_gguf(make_tiny_llama(), make_char_tokenizer(), path)
+    blob = path.read_bytes()
+    path.write_bytes(blob[:int(len(blob) * keep_fraction)])
+    return path
+
+
 def _set_first_block(data: dict, section: str, key: str, value) -> None:
     first = next(iter(data["layer_0"].values()))
     first[section][key] = value
@@ -200,6 +211,10 @@ CASES = [
     ("fetch-hub-offline", lambda w: ["fetch", "m/nonexistent"], ["m/nonexistent"], []),
     ("fetch-missing-gguf", lambda w: ["fetch", str(w["case"] / "nowhere.gguf")], ["nowhere.gguf"], []),
     ("fetch-text-as-gguf", lambda w: ["fetch", str(_text_as(w, "fake.gguf"))], ["fake.gguf"], []),
+    ("eval-gguf-cut-in-metadata", lambda w: ["eval", str(_gguf(w, "meta", 0.02)), "--data", str(w["text"])],
+     ["truncated or corrupt"], []),
+    ("eval-gguf-cut-in-tensors", lambda w: ["eval", str(_gguf(w, "data", 0.9)), "--data", str(w["text"])],
+     ["truncated or corrupt"], []),
     # ---- recipes
     ("recipes-extra-arg", lambda w: ["recipes", "nosuch"], [], []),
     # ---- distill --bld
@@ -265,6 +280,9 @@ CASES = [
     ("nvlabs-nan-score", lambda w: ["search", "--library", str(_nvlabs(
         w, "n1", lambda d: _set_first_block(d, "metrics", "kl_div", float("nan")))), "--costs", "library",
         "--throughput", "1.2x", "--dry-run"], [], []),
+    ("nvlabs-kv-heads-list", lambda w: ["search", "--library", str(_nvlabs(
+        w, "n2", lambda d: _set_first_block(d, "stats", "num_kv_heads", [8]))), "--costs", "library",
+        "--throughput", "1.2x", "--dry-run"], ["num_kv_heads"], []),
     ("library-with-recipe", lambda w: ["search", "--library", str(w["lib"]), "--recipe", "standard",
                                        "--target", "cpu", "--dry-run"], ["--recipe"], []),
     ("search-bad-throughput", lambda w: ["search", "--target", "cpu", "--library", str(w["lib"]),
@@ -335,6 +353,9 @@ CASES = [
                                               "--steps", "1", "--out", str(_existing_file(w))], ["taken"], []),
     ("finetune-unknown-recipe", lambda w: ["finetune", "--model", str(w["model"]), "--data", str(w["text"]),
                                            "--recipe", "nosuch", "--out", OUT], ["nosuch"], []),
+    ("finetune-recipe-climbs-out", lambda w: ["finetune", "--model", str(w["model"]), "--data", str(w["text"]),
+                                              "--recipe", "../puzzle/quick", "--out", OUT], ["unknown recipe"], []),
+
 ]
 
 # Cases rerun with --json: the error must also be one parseable object on stdout.
