@@ -12,7 +12,8 @@ kills itself with SIGKILL, so no handler, `finally` or atexit runs:
 * MODE `after`: just after the call.
 
 K = 0 never kills: the run goes to the end and COUNT_FILE receives the number of events it
-made, which is what a test draws its seeded kill points from. Writers are patched before
+made, which is what a test draws its seeded kill points from (and COUNT_FILE.trace one line
+per event: its number, the call and the path it wrote, to tell where each kill point falls). Writers are patched before
 mlxkit is imported, so `from safetensors.torch import save_file` inside mlxkit binds the
 patched one.
 """
@@ -30,6 +31,14 @@ from pathlib import Path
 COUNT_FILE, KILL_AT, MODE = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 ARGS = sys.argv[sys.argv.index("--") + 1:]
 events = 0
+trace: list[str] = []
+
+
+def _note(kind: str, args) -> None:
+    if KILL_AT == 0:
+        target = args[-1] if kind in ("os.replace", "os.rename") else (args[1] if kind != "open" and len(args) > 1
+                                                                       else args[0] if args else "")
+        trace.append(f"{events} {kind} {target}")
 
 
 def _die() -> None:
@@ -49,10 +58,11 @@ def _tear(path: object) -> None:
         pass
 
 
-def _event(call, path_of=None):
+def _event(call, kind: str, path_of=None):
     def wrapper(*args, **kwargs):
         global events
         events += 1
+        _note(kind, args)
         if events == KILL_AT and MODE == "before":
             _die()
         result = call(*args, **kwargs)
@@ -81,6 +91,7 @@ def _open_counted(*args, **kwargs):
 def _open_then_maybe_die(*args, **kwargs):
     global events
     events += 1
+    _note("open", args)
     if events == KILL_AT and MODE == "before":
         _die()
     handle = _open(*args, **kwargs)
@@ -100,15 +111,16 @@ def _open_then_maybe_die(*args, **kwargs):
 
 _open_event = _open_then_maybe_die
 builtins.open = io.open = _open_counted
-os.replace = _event(os.replace)
-os.rename = _event(os.rename)
-shutil.rmtree = _event(shutil.rmtree)
+os.replace = _event(os.replace, "os.replace")
+os.rename = _event(os.rename, "os.rename")
+shutil.rmtree = _event(shutil.rmtree, "shutil.rmtree")
 
 import safetensors.torch  # noqa: E402
 import torch  # noqa: E402
 
-safetensors.torch.save_file = _event(safetensors.torch.save_file, lambda a, k: a[1] if len(a) > 1 else k["filename"])
-torch.save = _event(torch.save, lambda a, k: a[1] if len(a) > 1 else k["f"])
+safetensors.torch.save_file = _event(safetensors.torch.save_file, "save_file",
+                                     lambda a, k: a[1] if len(a) > 1 else k["filename"])
+torch.save = _event(torch.save, "torch.save", lambda a, k: a[1] if len(a) > 1 else k["f"])
 
 from mlxkit.cli.main import main  # noqa: E402
 
@@ -117,4 +129,6 @@ try:
     main()
 finally:
     if KILL_AT == 0:
+        builtins.open = io.open = _open  # the report itself is no event
         COUNT_FILE.write_text(str(events))
+        COUNT_FILE.with_name(COUNT_FILE.name + ".trace").write_text("".join(line + "\n" for line in trace))
