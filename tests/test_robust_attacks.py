@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mlxkit.engines.core.threads import one_intra_op_thread
 from mlxkit.engines.robust.attacks import (FlowAttack, PGDAttack, cross_entropy_objective, make_attack,
                                            project_l1)
 from mlxkit.engines.robust.classifier import ClassifierConfig, build_classifier
@@ -22,10 +23,8 @@ SHAPE = [2, 6, 6]
 
 @pytest.fixture(autouse=True)
 def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with one_intra_op_thread():  # the classifiers are tiny: a second thread only costs hand-offs
+        yield
 
 
 def _model(architecture: str = "mlp", seed: int = 0):

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch.func import functional_call
 
+from mlxkit.engines.core.threads import one_intra_op_thread
 from mlxkit.engines.robust.attacks import make_attack
 from mlxkit.engines.robust.classifier import ClassifierConfig, build_classifier
 from mlxkit.engines.robust.regularizers import alr_point, logit_distance, uniform_point
@@ -16,10 +17,8 @@ SHAPE = [1, 4, 4]
 
 @pytest.fixture(autouse=True)
 def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with one_intra_op_thread():  # the classifiers are tiny: a second thread only costs hand-offs
+        yield
 
 
 def _model(dtype=torch.float32):

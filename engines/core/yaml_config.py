@@ -57,6 +57,27 @@ def load_yaml_model(model: type[ModelT], text: str, origin: str, error: type[Inp
     return validate_model(model, read_yaml_mapping(text, origin, error), origin, error)
 
 
+def with_overrides(recipe: ModelT, overrides: dict[str, Any], error: type[InputError] = InputError) -> ModelT:
+    """A copy of `recipe` with dotted keys replaced (`optim.lr=3e-4`), validated again as a whole.
+
+    A key must already exist: a typo is an error naming it, never a new field.
+    """
+    data = recipe.model_dump()
+    for dotted, value in overrides.items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            if not isinstance(node.get(key), dict):
+                unset = key in node and node[key] is None
+                raise error(f"unknown recipe key '{dotted}'" + (f" (this recipe has no '{key}' section)" if unset
+                                                                 else ""))
+            node = node[key]
+        if leaf not in node:
+            raise error(f"unknown recipe key '{dotted}'")
+        node[leaf] = value
+    return validate_model(type(recipe), data, "recipe with overrides", error)
+
+
 _PACKAGED_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from mlxkit.engines.core.yaml_config import load_packaged_or_file, packaged_names, validate_model
+from mlxkit.engines.core.yaml_config import load_packaged_or_file, packaged_names, with_overrides
 from mlxkit.engines.errors import RecipeError
 
 RECIPE_PACKAGE = "mlxkit.recipes.distill"
@@ -61,18 +61,7 @@ class DistillRecipe(_Strict):
 
     def with_overrides(self, overrides: dict[str, Any]) -> "DistillRecipe":
         """A copy with dotted keys replaced (`optim.lr=3e-4`), validated again."""
-        data = self.model_dump()
-        for dotted, value in overrides.items():
-            node = data
-            *parents, leaf = dotted.split(".")
-            for key in parents:
-                if not isinstance(node.get(key), dict):
-                    raise RecipeError(f"unknown recipe key '{dotted}'")
-                node = node[key]
-            if leaf not in node:
-                raise RecipeError(f"unknown recipe key '{dotted}'")
-            node[leaf] = value
-        return validate_model(DistillRecipe, data, "recipe with overrides", RecipeError)
+        return with_overrides(self, overrides, RecipeError)
 
 
 def available_recipes() -> list[str]:

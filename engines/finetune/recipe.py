@@ -13,7 +13,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mlxkit.engines.distill.recipe import OptimSpec  # one optimiser schema for every training verb
-from mlxkit.engines.core.yaml_config import load_packaged_or_file, packaged_names, validate_model
+from mlxkit.engines.core.yaml_config import load_packaged_or_file, packaged_names, validate_model, with_overrides
 from mlxkit.engines.errors import RecipeError
 from mlxkit.engines.robust.recipe import CrtRecipe
 
@@ -89,22 +89,7 @@ class FinetuneRecipe(_Strict):
 
     def with_overrides(self, overrides: dict[str, Any]) -> "FinetuneRecipe":
         """A copy with dotted keys replaced (`optim.lr=3e-4`, `htuning.mix_coef=0.9`), validated again."""
-        data = self.model_dump()
-        for dotted, value in overrides.items():
-            node = data
-            *parents, leaf = dotted.split(".")
-            for key in parents:
-                if not isinstance(node.get(key), dict):
-                    raise RecipeError(f"unknown recipe key '{dotted}'" + _unset_hint(node, key))
-                node = node[key]
-            if leaf not in node:
-                raise RecipeError(f"unknown recipe key '{dotted}'")
-            node[leaf] = value
-        return validate_model(FinetuneRecipe, data, "recipe with overrides", RecipeError)
-
-
-def _unset_hint(node: dict[str, Any], key: str) -> str:
-    return f" (this recipe has no '{key}' section)" if key in node and node[key] is None else ""
+        return with_overrides(self, overrides, RecipeError)
 
 
 def available_recipes() -> list[str]:

@@ -13,7 +13,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from mlxkit.engines.core.yaml_config import validate_model
+from mlxkit.engines.core.yaml_config import with_overrides
 from mlxkit.engines.errors import RecipeError
 
 
@@ -105,18 +105,6 @@ class CrtRecipe(_Strict):
     finetune: PhaseSpec = PhaseSpec(steps=150, lr=0.005, schedule="constant")
     schedule: ScheduleSpec = ScheduleSpec()
 
-    # Copied from engines/finetune/recipe.py (FinetuneRecipe.with_overrides), for this schema.
     def with_overrides(self, overrides: dict[str, Any]) -> "CrtRecipe":
         """A copy with dotted keys replaced (`attacks.l2.budget=0.5`, `regularizer.kind=ur`), validated again."""
-        data = self.model_dump()
-        for dotted, value in overrides.items():
-            node = data
-            *parents, leaf = dotted.split(".")
-            for key in parents:
-                if not isinstance(node.get(key), dict):
-                    raise RecipeError(f"unknown recipe key '{dotted}'")
-                node = node[key]
-            if leaf not in node:
-                raise RecipeError(f"unknown recipe key '{dotted}'")
-            node[leaf] = value
-        return validate_model(CrtRecipe, data, "recipe with overrides", RecipeError)
+        return with_overrides(self, overrides, RecipeError)

@@ -21,14 +21,13 @@ run leaves nothing behind.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -38,8 +37,10 @@ from mlxkit.engines.core.distributed import Distributed
 from mlxkit.engines.core.manifest import MANIFEST_NAME, Manifest, content_hash
 from mlxkit.engines.core.progress import Reporter
 from mlxkit.engines.core.seeds import derive_seed, seeded_generator
-from mlxkit.engines.distill.checkpoint import (TrainingState, append_log, check_run_key, load_checkpoint,
-                                               save_checkpoint, truncate_log)
+from mlxkit.engines.core.threads import one_intra_op_thread
+from mlxkit.engines.distill.checkpoint import (TrainingState, append_log, check_run_key, finished_run_key,
+                                               load_checkpoint, refuse_existing_output, save_checkpoint,
+                                               truncate_log)
 from mlxkit.engines.distill.trainer import batch_indices
 from mlxkit.engines.errors import InputError, NonFiniteError
 from mlxkit.engines.robust.attacks import ATTACK_NAMES, Attack, cross_entropy_objective, make_attack
@@ -124,8 +125,8 @@ class CrtRun:
     def setup(self) -> None:
         """Check everything and load; the work directory appears only once all checks passed."""
         options, recipe = self.options, self.recipe
-        if self.out.exists() and not options.overwrite:
-            raise InputError(f"output '{self.out}' already exists (pass --overwrite to replace it)")
+        if not options.overwrite:
+            refuse_existing_output(self.out, self.work, Distributed())
         self.model_path = Path(options.model).expanduser()
         self._check_attack_names()
         if is_classifier_dir(self.model_path):
@@ -323,6 +324,7 @@ class CrtRun:
         manifest.seeds = {"seed": options.seed}
         manifest.settings = {"recipe": self.recipe.model_dump(), "phase": self.phase_name,
                              TRAINED_ATTACKS_KEY: self.attack_names, "new_attack": options.new_attack,
+                             "run_key": finished_run_key(self.work),
                              **options.manifest_extra}
         self.model.eval()
         with atomic_output_dir(self.out, overwrite=options.overwrite) as tmp:
@@ -334,27 +336,11 @@ class CrtRun:
         return self.out
 
 
-@contextlib.contextmanager
-def one_intra_op_thread() -> Iterator[None]:
-    """Run on one intra-op thread, then restore the setting.
-
-    These classifiers are small: each op is microseconds of work, so thread hand-offs dominate.
-    On a shared 2-core machine a 64×128 linear layer ran about 50× slower on two threads than on one.
-    """
-    before = torch.get_num_threads()
-    if before == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def run_crt(options: CrtOptions, reporter: Reporter | None = None) -> dict[str, Any]:
     """Train (or resume) and save; returns the summary ({} when stopped early)."""
     run = CrtRun(options, reporter)
+    # These classifiers are small: each op is microseconds of work, so thread hand-offs dominate
+    # (on a shared 2-core machine a 64x128 linear layer ran about 50x slower on two threads than on one).
     with one_intra_op_thread():
         run.setup()
         summary = run.train()

@@ -6,16 +6,15 @@ Two facts about torch's CPU LAPACK bindings shape this module (measured with tor
   thread returns wrong factors (invalid pivots, oneMKL "DLASWP" errors). Single matrices are fine, so
   large blocks are factorised one at a time.
 * Batched LAPACK calls (`lu_solve` above all) run ~10x slower with 2 threads than with 1, so every
-  kernel runs on one intra-op thread (`one_thread`) and parallelism comes from `BlockWorkers`, which
+  kernel runs on one intra-op thread (`one_intra_op_thread`) and parallelism comes from `BlockWorkers`, which
   hands disjoint blocks of a level to Python threads (1.7x on 2 cores at 1025^2). With several intra-op
   threads anyway, a batch of large blocks is solved one matrix at a time, each call using every thread.
 """
 
 from __future__ import annotations
 
-import contextlib
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterator, TypeVar
+from typing import Callable, TypeVar
 
 import torch
 
@@ -23,27 +22,6 @@ T = TypeVar("T")
 
 # Order from which a batch is factorised matrix by matrix (see the module docstring).
 _LOOP_FROM = 64
-
-
-@contextlib.contextmanager
-def one_thread(active: bool) -> Iterator[None]:
-    """Run a block of batched small-matrix work on one intra-op thread (see the module docstring).
-
-    Switching the thread count is itself slow on a loaded machine, so callers switch once per batch
-    of work (one SSI level), not once per operation.
-    """
-    if not active:
-        yield
-        return
-    before = torch.get_num_threads()
-    if before == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def lu_factor(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

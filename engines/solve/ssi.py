@@ -31,7 +31,8 @@ import numpy as np
 import torch
 
 from mlxkit.engines.errors import InputError, SingularMatrixError
-from mlxkit.engines.solve.linalg import BlockWorkers, lu_factor, lu_solve, one_thread, pivot_ratio
+from mlxkit.engines.core.threads import one_intra_op_thread
+from mlxkit.engines.solve.linalg import BlockWorkers, lu_factor, lu_solve, pivot_ratio
 from mlxkit.engines.solve.plan import LeafGroup, MergeGroup, Plan, build_plan
 
 
@@ -252,7 +253,7 @@ class SSIFactor:
         t0 = time.perf_counter()
         workers = BlockWorkers(self.workers, flush_denormal=self.dtype == torch.float32)
         try:
-            with one_thread(self.device.type == "cpu"):
+            with one_intra_op_thread(self.device.type == "cpu"):
                 level, ratio = self._factor_leaves(s, sw, workers)
                 self.profile.append(("schwarz (leaf patches)", time.perf_counter() - t0))
                 self._factor_merges(s, level, ratio, workers)
@@ -352,7 +353,7 @@ class SSIFactor:
         threads = self.workers if self.nbytes() >= _THREADED_SOLVE_BYTES else 1
         workers = BlockWorkers(threads, flush_denormal=self.dtype == torch.float32)
         try:
-            with flush_denormals(self.dtype), torch.no_grad(), one_thread(self.device.type == "cpu"):
+            with flush_denormals(self.dtype), torch.no_grad(), one_intra_op_thread(self.device.type == "cpu"):
                 x = self._solve4(b4, transpose, workers)
         finally:
             workers.close()
