@@ -89,6 +89,15 @@ def calibration_text(work: Path) -> Path:
     return path
 
 
+def build_library(work: Path, calibration: Path) -> dict:
+    log("stage: block library (quick recipe, BLD on the calibration text)")
+    library = cached(work / "library_summary.json", lambda: run_json(
+        ["distill", "--bld", "--recipe", "quick", "--data", str(calibration), "--out", str(work / "library")],
+        work / "logs" / "library.log"))
+    log(f"library: {library.get('subblocks_trained')} subblocks trained ({library.get('_stage_seconds')} s)")
+    return library
+
+
 def evaluate(work: Path, model: str, name: str) -> dict:
     return cached(work / "evals" / f"{name}.json", lambda: run_json(
         ["eval", model, "--data", str(SHARED / "wikitext2-test.txt"), "--reference", PARENT, "--max-tokens", "8192",
@@ -112,8 +121,6 @@ def layer_importance(work: Path) -> list[float]:
 
 def build_baseline(work: Path, target: str, throughput: str, method: str, out: Path) -> dict:
     """Choose and save the uniform or layer-drop child at the target's predicted throughput."""
-    import torch
-
     from mlxkit.engines.core.manifest import Manifest
     from mlxkit.engines.errors import InfeasibleError
     from mlxkit.engines.hardware.costs import CostModel
@@ -172,12 +179,12 @@ def build_child(work: Path, target: str, throughput: str, method: str) -> tuple[
     return out, cached(record, make)
 
 
-def distil(work: Path, student: Path, tokens: int, calibration: Path) -> tuple[Path, dict]:
-    out = student.with_name(student.name + "-gkd")
-    record = student.with_name(student.name + "-gkd.json")
+def distil(work: Path, student: Path, tokens: int, calibration: Path, suffix: str = "-gkd") -> tuple[Path, dict]:
+    out = student.with_name(student.name + suffix)
+    record = student.with_name(student.name + suffix + ".json")
     return out, cached(record, lambda: run_json(
         ["distill", "--gkd", "--teacher", PARENT, "--student", str(student), "--data", str(calibration),
-         "--tokens", str(tokens), "--out", str(out), *GKD_SETTINGS], work / "logs" / f"gkd-{student.parent.name}-{student.name}.log"))
+         "--tokens", str(tokens), "--out", str(out), *GKD_SETTINGS], work / "logs" / f"gkd-{student.parent.name}-{student.name}{suffix}.log"))
 
 
 def generation_speed(model_spec: str, batch: int, prompt: int, generated: int, repeats: int = 3) -> dict:
@@ -209,7 +216,7 @@ def cpu_speeds(work: Path) -> dict:
     from mlxkit.engines.hardware.profile import load_profile
 
     scenario = load_profile("cpu").scenario(None)
-    name = f"cpu-1.5x"
+    name = "cpu-1.5x"
     results = {}
     for label, spec in [("parent", PARENT)] + [(f"{m}{suffix}", str(work / "children" / name / f"{m}{suffix}"))
                                                 for m in METHODS for suffix in ("", "-gkd")]:
@@ -337,12 +344,8 @@ def main() -> None:
         return
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     calibration = calibration_text(work)
-    log("stage: block library (quick recipe, BLD on the calibration text)")
     started = time.time()
-    library = cached(work / "library_summary.json", lambda: run_json(
-        ["distill", "--bld", "--recipe", "quick", "--data", str(calibration), "--out", str(work / "library")],
-        work / "logs" / "library.log"))
-    log(f"library: {library.get('subblocks_trained')} subblocks trained ({library.get('_stage_seconds')} s)")
+    build_library(work, calibration)
     evaluate(work, PARENT, "parent")
     layer_importance(work)
     for item in args.targets.split(","):
