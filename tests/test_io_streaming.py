@@ -50,3 +50,15 @@ def test_single_shard_is_named_model_safetensors(tmp_path):
     writer.finalize()
     assert (tmp_path / "model.safetensors").exists()
     assert LazyTensorLoader.from_path(tmp_path).get_tensor("a").shape == (2,)
+
+
+def test_shards_are_readable_like_the_files_beside_them(tmp_path):
+    writer = TensorWriter(tmp_path, max_shard_bytes=2 * 16 * 16 * 4)
+    for i in range(3):
+        writer.save(f"layer.{i}.weight", torch.randn(16, 16))
+    writer.finalize()
+    shards = sorted(tmp_path.glob("*.safetensors"))
+    assert len(shards) == 2
+    index_mode = (tmp_path / "model.safetensors.index.json").stat().st_mode & 0o777
+    assert index_mode == 0o644
+    assert [s.stat().st_mode & 0o777 for s in shards] == [index_mode] * 2

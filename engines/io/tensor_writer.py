@@ -78,6 +78,9 @@ class TensorWriter:
         for i, names in enumerate(self._shards):
             final = f"{self.prefix}.safetensors" if n == 1 else f"{self.prefix}-{i + 1:05d}-of-{n:05d}.safetensors"
             os.replace(self.directory / self._temp_name(i), self.directory / final)
+            # safetensors writes through a private (0600) temporary; the shards are ordinary files
+            # like the config beside them.
+            os.chmod(self.directory / final, 0o644)
             weight_map.update({name: final for name in names})
         index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
         atomic_write_text(self.directory / f"{self.prefix}.safetensors.index.json", json.dumps(index, indent=2) + "\n")
