@@ -85,7 +85,7 @@ def _writes(args, kwargs) -> bool:
 def _open_counted(*args, **kwargs):
     if not _writes(args, kwargs):
         return _open(*args, **kwargs)
-    return _open_event(*args, **kwargs)
+    return _open_then_maybe_die(*args, **kwargs)
 
 
 def _open_then_maybe_die(*args, **kwargs):
@@ -109,7 +109,6 @@ def _open_then_maybe_die(*args, **kwargs):
     return handle
 
 
-_open_event = _open_then_maybe_die
 builtins.open = io.open = _open_counted
 os.replace = _event(os.replace, "os.replace")
 os.rename = _event(os.rename, "os.rename")

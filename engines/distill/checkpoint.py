@@ -90,6 +90,12 @@ def _load_trainable(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) ->
 RUN_KEY = "run.json"
 
 
+def work_dir_beside(out: Path, kind: str) -> Path:
+    """Where a run keeps its work in progress: `.<out>.<kind>-work/` beside its output."""
+    out = Path(out).expanduser().resolve()
+    return out.parent / f".{out.name}.{kind}-work"
+
+
 def check_run_key(work: Path, key: dict[str, Any], dist: Distributed) -> None:
     """Refuse to resume a run in `work` that was started with other settings; record the key of a new one."""
     key_file = work / RUN_KEY

@@ -39,7 +39,7 @@ from mlxkit.engines.core.progress import Reporter
 from mlxkit.engines.core.seeds import seeded_generator
 from mlxkit.engines.distill.checkpoint import (TrainingState, append_log, check_run_key, finished_run_key,
                                                load_checkpoint, refuse_existing_output, save_checkpoint,
-                                               truncate_log)
+                                               truncate_log, work_dir_beside)
 from mlxkit.engines.distill.losses import cosine_distance_sum, logit_term_sums
 from mlxkit.engines.distill.recipe import DistillRecipe
 from mlxkit.engines.errors import InputError, NonFiniteError
@@ -69,8 +69,7 @@ class DistillationOptions:
 
 
 def work_dir_for(out: Path) -> Path:
-    out = Path(out).expanduser().resolve()
-    return out.parent / f".{out.name}.distill-work"
+    return work_dir_beside(out, "distill")
 
 
 def learning_rate(step: int, total_steps: int, recipe: DistillRecipe) -> float:

@@ -35,7 +35,7 @@ from mlxkit.engines.core.progress import Reporter
 from mlxkit.engines.core.seeds import derive_seed
 from mlxkit.engines.distill.checkpoint import (TrainingState, append_log, check_run_key, finished_run_key,
                                                load_checkpoint, refuse_existing_output, save_checkpoint,
-                                               truncate_log)
+                                               truncate_log, work_dir_beside)
 from mlxkit.engines.distill.trainer import batch_indices, learning_rate
 from mlxkit.engines.errors import InputError, NonFiniteError
 from mlxkit.engines.finetune.data import (Batch, Examples, LabelledTexts, classification_examples, lm_examples,
@@ -64,8 +64,7 @@ class FinetuneOptions:
 
 
 def work_dir_for(out: Path) -> Path:
-    out = Path(out).expanduser().resolve()
-    return out.parent / f".{out.name}.finetune-work"
+    return work_dir_beside(out, "finetune")
 
 
 class FinetuneRun:

@@ -40,7 +40,7 @@ from mlxkit.engines.core.seeds import derive_seed, seeded_generator
 from mlxkit.engines.core.threads import one_intra_op_thread
 from mlxkit.engines.distill.checkpoint import (TrainingState, append_log, check_run_key, finished_run_key,
                                                load_checkpoint, refuse_existing_output, save_checkpoint,
-                                               truncate_log)
+                                               truncate_log, work_dir_beside)
 from mlxkit.engines.distill.trainer import batch_indices
 from mlxkit.engines.errors import InputError, NonFiniteError
 from mlxkit.engines.robust.attacks import ATTACK_NAMES, Attack, cross_entropy_objective, make_attack
@@ -72,8 +72,7 @@ class CrtOptions:
 
 
 def work_dir_for(out: Path) -> Path:
-    out = Path(out).expanduser().resolve()
-    return out.parent / f".{out.name}.crt-work"
+    return work_dir_beside(out, "crt")
 
 
 def build_attacks(recipe: CrtRecipe, names: list[str], *, for_eval: bool = False) -> dict[str, Attack]:
