@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from conftest import REPO, make_char_tokenizer, make_tiny_llama
 from mlxkit.cli.main import app
-from mlxkit.engines.core.distributed import Distributed
+from mlxkit.engines.training.distributed import Distributed
 from mlxkit.engines.finetune.data import Batch, Examples
 from mlxkit.engines.finetune.model import build_model, fo_layer_parameters, load_classification_head
 from mlxkit.engines.finetune.recipe import load_finetune_recipe

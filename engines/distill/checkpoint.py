@@ -25,7 +25,7 @@ from safetensors.torch import load_model as load_weights
 from safetensors.torch import save_model as save_weights
 
 from mlxkit.engines.core.atomic import atomic_output_dir, atomic_write_json, atomic_write_text
-from mlxkit.engines.core.distributed import Distributed
+from mlxkit.engines.training.distributed import Distributed
 from mlxkit.engines.errors import InputError
 
 WEIGHTS = "student.safetensors"

@@ -33,7 +33,7 @@ from typing import Any, Literal
 import torch
 
 from mlxkit.engines.core.atomic import atomic_file
-from mlxkit.engines.core.distributed import Distributed, gradients
+from mlxkit.engines.training.distributed import Distributed, gradients
 from mlxkit.engines.core.manifest import Manifest, content_hash
 from mlxkit.engines.core.progress import Reporter
 from mlxkit.engines.core.seeds import seeded_generator

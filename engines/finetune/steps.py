@@ -15,7 +15,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from mlxkit.engines.core.distributed import Distributed, gradients
+from mlxkit.engines.training.distributed import Distributed, gradients
 from mlxkit.engines.finetune.data import Batch
 from mlxkit.engines.finetune.model import FinetuneModel
 from mlxkit.engines.finetune.recipe import HTuningSpec

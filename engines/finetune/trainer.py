@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from mlxkit.engines.core.atomic import atomic_output_dir
-from mlxkit.engines.core.distributed import Distributed
+from mlxkit.engines.training.distributed import Distributed
 from mlxkit.engines.core.manifest import Manifest, content_hash
 from mlxkit.engines.core.progress import Reporter
 from mlxkit.engines.core.seeds import derive_seed

@@ -159,10 +159,13 @@ def load_tokenizer(source: ModelSource, *, trust_remote_code: bool = False):
         raise ModelLoadError(f"could not load the tokenizer of '{source.spec}': {_first_line(exc)}") from exc
 
 
-def load_model(spec: str | ModelSource, *, dtype: str = "float32", allow_pickle: bool = False,
-               trust_remote_code: bool = False, with_tokenizer: bool = True,
+def load_model(spec: str | ModelSource, *, dtype: "str | torch.dtype" = "float32", device: "str | torch.device | None" = None,
+               allow_pickle: bool = False, trust_remote_code: bool = False, with_tokenizer: bool = True,
                reporter: Reporter | None = None) -> LoadedModel:
-    """Load a causal LM (in `dtype`, float32 by default) and its tokenizer, in eval mode."""
+    """Load a causal LM (in `dtype`, float32 by default) and its tokenizer, in eval mode, on `device` (CPU by default).
+
+    The weights are read on the CPU and then moved, so a GPU holds one copy in the target dtype.
+    """
     import torch
     from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoModelForCausalLM
@@ -176,7 +179,7 @@ def load_model(spec: str | ModelSource, *, dtype: str = "float32", allow_pickle:
     if source.kind in ("directory", "alias", "hub") and not allow_pickle:
         kwargs["use_safetensors"] = True
     try:
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=getattr(torch, dtype),
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype,
                                                      trust_remote_code=trust_remote_code, **kwargs)
     except pickle.UnpicklingError as exc:
         # transformers reads pickle weights with torch.load(weights_only=True): anything but tensors stops it.
@@ -186,8 +189,28 @@ def load_model(spec: str | ModelSource, *, dtype: str = "float32", allow_pickle:
         raise ModelLoadError(f"could not load model '{source.spec}': {_first_line(exc)}") from exc
     model.eval()
     forget_gguf_quantization(model)
+    if device is not None and torch.device(device).type != "cpu":
+        model.to(device)
     tokenizer = load_tokenizer(source, trust_remote_code=trust_remote_code) if with_tokenizer else None
     return LoadedModel(model, tokenizer, source)
+
+
+def source_dtype(source: ModelSource) -> "torch.dtype":
+    """The dtype a checkpoint is stored in, from its config.json (float32 for GGUF, which is dequantised,
+    and when the config does not say)."""
+    import json
+
+    import torch
+
+    if source.kind in ("directory", "alias") and source.path is not None and source.path.is_dir():
+        try:
+            config = json.loads((source.path / "config.json").read_text())
+        except (OSError, ValueError):
+            return torch.float32
+        name = config.get("dtype") or config.get("torch_dtype") if isinstance(config, dict) else None
+        if isinstance(name, str) and name.removeprefix("torch.") in ("float32", "bfloat16", "float16"):
+            return getattr(torch, name.removeprefix("torch."))
+    return torch.float32
 
 
 def check_finite_weights(model, spec: str) -> None:

@@ -41,8 +41,15 @@ def save_model_files(model, tokenizer, directory: str | os.PathLike, max_shard_s
 
 
 def save_model(model, tokenizer, out: str | os.PathLike, manifest: Manifest, *, overwrite: bool = False,
-               max_shard_size: str = DEFAULT_SHARD_SIZE) -> Path:
-    """Save atomically: everything is written to a temporary sibling, then renamed into place."""
+               max_shard_size: str = DEFAULT_SHARD_SIZE, dtype=None) -> Path:
+    """Save atomically: everything is written to a temporary sibling, then renamed into place.
+
+    With `dtype` (a torch dtype) the model is cast to it first, in place: the weights and
+    config.json then say the same dtype.
+    """
+    if dtype is not None:
+        model.to(dtype)
+        model.config.dtype = dtype
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
         save_model_files(model, tokenizer, tmp, max_shard_size=max_shard_size)
         manifest.write(tmp)

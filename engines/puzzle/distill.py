@@ -29,7 +29,7 @@ import torch
 from pydantic import ValidationError
 
 from mlxkit.engines.core.atomic import atomic_file
-from mlxkit.engines.core.distributed import Distributed
+from mlxkit.engines.training.distributed import Distributed
 from mlxkit.engines.core.manifest import Manifest, content_hash
 from mlxkit.engines.core.paths import cache_dir
 from mlxkit.engines.core.progress import Reporter

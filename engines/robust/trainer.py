@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from mlxkit.engines.core.atomic import atomic_output_dir
-from mlxkit.engines.core.distributed import Distributed
+from mlxkit.engines.training.distributed import Distributed
 from mlxkit.engines.core.manifest import MANIFEST_NAME, Manifest, content_hash
 from mlxkit.engines.core.progress import Reporter
 from mlxkit.engines.core.seeds import derive_seed, seeded_generator
