@@ -64,6 +64,9 @@ class DistillationOptions:
     seed: int = 0
     overwrite: bool = False
     allow_pickle: bool = False
+    device: str = "auto"                 # see engines/training/device.py for the device and dtype rule
+    dtype: str = "auto"
+    save_dtype: str | None = None
     stop_after_steps: int | None = None  # leave a resumable checkpoint and stop (tests, time-boxed runs)
     manifest_extra: dict[str, Any] = field(default_factory=dict)
 

@@ -67,6 +67,9 @@ class DistillOptions:
     score: bool = True
     score_only: bool = False
     allow_pickle: bool = False
+    device: str = "auto"                 # see engines/training/device.py for the device and dtype rule
+    dtype: str = "auto"
+    save_dtype: str | None = None
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,9 @@ class SearchOptions:
     gkd_overrides: dict[str, Any] = field(default_factory=dict)
     export: str | None = None  # a format of `mlx export`: searched for, then written into `out`
     export_dtype: str = "f32"
+    device: str = "auto"                 # see engines/training/device.py for the device and dtype rule
+    dtype: str = "auto"
+    save_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if self.export is not None:
