@@ -19,7 +19,8 @@ from conftest import REPO, make_char_tokenizer, make_tiny_llama
 from mlxkit.cli.main import app
 from mlxkit.engines.distill.losses import cosine_distance_sum, logit_term_sums
 from mlxkit.engines.distill.recipe import load_distill_recipe
-from mlxkit.engines.distill.trainer import DistillationOptions, batch_indices, run_distillation, work_dir_for
+from mlxkit.engines.distill.trainer import DistillationOptions, run_distillation, work_dir_for
+from mlxkit.engines.training.schedule import batch_indices
 from mlxkit.engines.errors import InputError, RecipeError
 
 runner = CliRunner()

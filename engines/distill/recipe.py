@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mlxkit.engines.core.yaml_config import load_packaged_or_file, packaged_names, with_overrides
 from mlxkit.engines.errors import RecipeError
+from mlxkit.engines.training.spec import GradientCheckpointing, OptimSpec
 
 RECIPE_PACKAGE = "mlxkit.recipes.distill"
 
@@ -35,16 +36,6 @@ class DataSpec(_Strict):
     held_out_sequences: int = Field(4, ge=1)
 
 
-class OptimSpec(_Strict):
-    lr: float = Field(1e-4, gt=0, le=1, allow_inf_nan=False)
-    min_lr_factor: float = Field(0.1, ge=0, le=1)
-    warmup_fraction: float = Field(0.05, ge=0, lt=1)
-    weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False)
-    grad_clip: float = Field(1.0, ge=0, allow_inf_nan=False)
-    batch_sequences: int = Field(4, ge=1)
-    micro_batch_sequences: int = Field(2, ge=1)
-
-
 class ScheduleSpec(_Strict):
     tokens: int = Field(65536, ge=1)
     eval_every: int = Field(8, ge=1)
@@ -58,6 +49,7 @@ class DistillRecipe(_Strict):
     data: DataSpec = DataSpec()
     optim: OptimSpec = OptimSpec()
     schedule: ScheduleSpec = ScheduleSpec()
+    gradient_checkpointing: GradientCheckpointing = "auto"  # of the student's decoder layers
 
     def with_overrides(self, overrides: dict[str, Any]) -> "DistillRecipe":
         """A copy with dotted keys replaced (`optim.lr=3e-4`), validated again."""

@@ -22,7 +22,6 @@ manifest, and the work directory is removed.
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 import time
@@ -33,16 +32,20 @@ from typing import Any, Literal
 import torch
 
 from mlxkit.engines.core.atomic import atomic_file
-from mlxkit.engines.training.distributed import Distributed, gradients
 from mlxkit.engines.core.manifest import Manifest, content_hash
 from mlxkit.engines.core.progress import Reporter
-from mlxkit.engines.core.seeds import seeded_generator
-from mlxkit.engines.distill.checkpoint import (TrainingState, append_log, check_run_key, finished_run_key,
-                                               load_checkpoint, refuse_existing_output, save_checkpoint,
-                                               truncate_log, work_dir_beside)
 from mlxkit.engines.distill.losses import cosine_distance_sum, logit_term_sums
 from mlxkit.engines.distill.recipe import DistillRecipe
 from mlxkit.engines.errors import InputError, NonFiniteError
+from mlxkit.engines.training.checkpoint import TrainingState, load_checkpoint, save_checkpoint
+from mlxkit.engines.training.device import Placement
+from mlxkit.engines.training.distributed import Distributed, gradients
+from mlxkit.engines.training.loop import StepLoop, StepOutcome, median
+from mlxkit.engines.training.schedule import batch_indices
+from mlxkit.engines.training.spec import build_adamw, gradient_checkpointing_on
+from mlxkit.engines.training.step import (check_global_batch, clip_and_step, enable_gradient_checkpointing,
+                                          place_frozen, place_trainable, set_learning_rate, term_sums)
+from mlxkit.engines.training.work import check_run_key, finished_run_key, refuse_existing_output, work_dir_beside
 
 Mode = Literal["gkd", "kd"]
 LOG_NAME = "distill_log.jsonl"
@@ -75,26 +78,6 @@ def work_dir_for(out: Path) -> Path:
     return work_dir_beside(out, "distill")
 
 
-def learning_rate(step: int, total_steps: int, recipe: DistillRecipe) -> float:
-    """Linear warm-up, then cosine decay to `min_lr_factor` of the peak."""
-    spec = recipe.optim
-    warmup = int(round(spec.warmup_fraction * total_steps))
-    if step < warmup:
-        return spec.lr * (step + 1) / warmup
-    progress = (step - warmup) / max(1, total_steps - warmup)
-    return spec.lr * (spec.min_lr_factor + (1 - spec.min_lr_factor) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def batch_indices(step: int, batch: int, n_sequences: int, seed: int) -> list[int]:
-    """The training sequences of a step: a seeded permutation per pass over the data."""
-    indices = []
-    for position in range(step * batch, (step + 1) * batch):
-        epoch, offset = divmod(position, n_sequences)
-        order = torch.randperm(n_sequences, generator=seeded_generator(seed, "distill-epoch", epoch))
-        indices.append(int(order[offset]))
-    return indices
-
-
 class DistillationRun:
     """Setup, train, save: one readable recipe over the shared building blocks."""
 
@@ -102,42 +85,49 @@ class DistillationRun:
         self.options = options
         self.recipe = options.recipe
         self.reporter = reporter or Reporter()
-        self.dist = Distributed.from_env()
+        self.placement = Placement.resolve(options.device, options.dtype)
+        self.dist = Distributed.from_env(self.placement.device)
+        for note in self.dist.notes:
+            self.reporter.notice(note)
         self.out = Path(options.out).expanduser().resolve()
         self.work = work_dir_for(self.out)
         self.started = time.time()
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
-        from mlxkit.engines.models.loading import load_model
+        from mlxkit.engines.models.loading import load_model, source_dtype
 
         if not self.options.overwrite:
             refuse_existing_output(self.out, self.work, self.dist)
         spec = self.recipe.optim
-        if spec.batch_sequences % self.dist.world_size:
-            raise InputError(f"the global batch ({spec.batch_sequences} sequences) must divide evenly over "
-                             f"{self.dist.world_size} processes")
-        teacher = load_model(self.options.teacher, allow_pickle=self.options.allow_pickle, reporter=self.reporter)
+        check_global_batch(spec.batch_sequences, self.dist.world_size, "optim.batch_sequences")
+        # The teacher only runs forwards: it is read straight into the compute dtype. The student's
+        # float32 copy is its master weights.
+        teacher = load_model(self.options.teacher, dtype=self.placement.dtype, allow_pickle=self.options.allow_pickle,
+                             reporter=self.reporter)
         student = load_model(self.options.student, allow_pickle=self.options.allow_pickle, reporter=self.reporter)
         self._check_pair(teacher, student)
         self.teacher, self.student, self.tokenizer = teacher.model, student.model, student.tokenizer
         self.teacher_source, self.student_source = teacher.source, student.source
+        self.save_dtype = self.placement.save_dtype(source_dtype(student.source), self.options.save_dtype)
         self.generation_config = student.model.generation_config
         for model in (self.teacher, self.student):
             model.config._attn_implementation = "sdpa"
-        self.teacher.eval().requires_grad_(False)
-        self.student.train()
+        place_frozen(self.teacher, self.placement)
+        place_trainable(self.student, self.placement)
+        if gradient_checkpointing_on(self.recipe.gradient_checkpointing, self.placement.device):
+            enable_gradient_checkpointing(self.student)
         self.seq_len = self.recipe.data.seq_len
         positions = getattr(self.student.config, "max_position_embeddings", None)
         if positions and self.seq_len > positions:
             raise InputError(f"data.seq_len {self.seq_len} exceeds the student's {positions} positions")
         tokens = self.options.tokens or self.recipe.schedule.tokens
         self.steps = max(1, math.ceil(tokens / (spec.batch_sequences * self.seq_len)))
-        self.optimizer = torch.optim.AdamW([p for p in self.student.parameters() if p.requires_grad], lr=spec.lr,
-                                           weight_decay=spec.weight_decay, betas=(0.9, 0.95))
+        self.params = [p for p in self.student.parameters() if p.requires_grad]
+        self.optimizer = build_adamw(self.params, spec)
         self._check_or_write_run_key()
         self.train_ids, self.val_ids = self._token_blocks()
-        self.state = TrainingState(0, 0, 0, {})
+        self.state = TrainingState(0, 0, 0, {"train_seconds": 0.0})
         resumed = load_checkpoint(self.work / "checkpoint", self.student, self.optimizer)
         if resumed is not None:
             self.state = resumed
@@ -166,6 +156,7 @@ class DistillationRun:
         return {"mode": self.options.mode, "teacher": _source_key(self.teacher_source),
                 "student": _source_key(self.student_source), "data": data, "seed": self.options.seed,
                 "steps": self.steps, "world_batch": self.recipe.optim.batch_sequences,
+                "compute_dtype": str(self.placement.dtype),
                 "recipe": self.recipe.model_dump(exclude={"schedule", "name", "description"})}
 
     def _check_or_write_run_key(self) -> None:
@@ -205,106 +196,93 @@ class DistillationRun:
         return tokens["train"], tokens["val"]
 
     # ------------------------------------------------------------------ train
-    def train_step(self, step: int) -> dict[str, float]:
-        """One optimiser step on the global batch of `step`; returns the global-mean loss terms."""
+    def train_step(self, step: int) -> StepOutcome:
+        """One optimiser step on the global batch of `step`; its loss terms are global means."""
         spec, loss_spec = self.recipe.optim, self.recipe.loss
         indices = batch_indices(step, spec.batch_sequences, self.train_ids.shape[0], self.options.seed)
         mine = indices[self.dist.rank::self.dist.world_size]
         predicted = spec.batch_sequences * (self.seq_len - 1)   # positions with a next token, whole global batch
         positions = spec.batch_sequences * self.seq_len
         n_layers = self.student.config.num_hidden_layers
-        for group in self.optimizer.param_groups:
-            group["lr"] = learning_rate(step, self.steps, self.recipe)
+        set_learning_rate(self.optimizer, spec.lr_at(step, self.steps))
         self.optimizer.zero_grad(set_to_none=True)
-        sums = torch.zeros(3, dtype=torch.float64)  # cosine, kl, nll
+        sums = term_sums(3, self.placement.device)  # cosine, kl, nll
         for lo in range(0, len(mine), spec.micro_batch_sequences):
-            ids = self.train_ids[mine[lo:lo + spec.micro_batch_sequences]]
-            teacher_out = None
-            if loss_spec.cosine_weight > 0 or loss_spec.kl_weight > 0:  # an LM-loss-only run never needs the teacher
-                with torch.no_grad():
-                    teacher_out = self.teacher.base_model(input_ids=ids, use_cache=False,
-                                                          output_hidden_states=loss_spec.cosine_weight > 0)
-            student_out = self.student.base_model(input_ids=ids, output_hidden_states=loss_spec.cosine_weight > 0,
-                                             use_cache=False)
-            loss = student_out.last_hidden_state.new_zeros(())
-            if loss_spec.cosine_weight > 0:
-                cosine = cosine_distance_sum(student_out.hidden_states[1:], teacher_out.hidden_states[1:])
-                loss = loss + loss_spec.cosine_weight * cosine / (positions * n_layers)
-                sums[0] += cosine.item()
-            if loss_spec.kl_weight > 0 or loss_spec.lm_weight > 0:
-                student_final = student_out.last_hidden_state
-                teacher_final = student_final if teacher_out is None else teacher_out.last_hidden_state
-                terms = logit_term_sums(student_final, teacher_final, ids,
-                                        self.student.get_output_embeddings(), self.teacher.get_output_embeddings(),
-                                        temperature=loss_spec.temperature, with_kl=loss_spec.kl_weight > 0,
-                                        with_nll=loss_spec.lm_weight > 0)
-                loss = loss + (loss_spec.kl_weight * terms.kl + loss_spec.lm_weight * terms.nll) / predicted
-                sums[1] += terms.kl.item()
-                sums[2] += terms.nll.item()
+            ids = self.train_ids[mine[lo:lo + spec.micro_batch_sequences]].to(self.placement.device)
+            with self.placement.autocast():
+                loss = self._piece_loss(ids, sums, positions * n_layers, predicted)
             loss.backward()
-        self.dist.all_reduce_sum([*gradients([p for p in self.student.parameters() if p.requires_grad]), sums])
-        if spec.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.student.parameters(), spec.grad_clip)
-        self.optimizer.step()
-        cosine, kl, nll = (sums / torch.tensor([positions * n_layers, predicted, predicted])).tolist()
+        self.dist.all_reduce_sum([*gradients(self.params), sums])
+        clip_and_step(self.optimizer, self.params, spec.grad_clip)
+        cosine, kl, nll = (sums / torch.tensor([positions * n_layers, predicted, predicted], dtype=torch.float64,
+                                               device=sums.device)).tolist()
         total = loss_spec.cosine_weight * cosine + loss_spec.kl_weight * kl + loss_spec.lm_weight * nll
         if not math.isfinite(total):
             raise NonFiniteError(f"the distillation loss became non-finite at step {step} (try a lower optim.lr)")
-        return {"loss": total, "cosine": cosine, "kl": kl, "nll": nll}
+        return StepOutcome({"loss": total, "cosine": cosine, "kl": kl, "nll": nll}, positions,
+                           {"loss": total})
+
+    def _piece_loss(self, ids: torch.Tensor, sums: torch.Tensor, cosine_count: int, predicted: int) -> torch.Tensor:
+        """One micro-batch's share of the global-mean loss; adds its raw term sums to `sums`."""
+        loss_spec = self.recipe.loss
+        teacher_out = None
+        if loss_spec.cosine_weight > 0 or loss_spec.kl_weight > 0:  # an LM-loss-only run never needs the teacher
+            with torch.no_grad():
+                teacher_out = self.teacher.base_model(input_ids=ids, use_cache=False,
+                                                      output_hidden_states=loss_spec.cosine_weight > 0)
+        student_out = self.student.base_model(input_ids=ids, output_hidden_states=loss_spec.cosine_weight > 0,
+                                              use_cache=False)
+        loss = student_out.last_hidden_state.new_zeros((), dtype=torch.float32)
+        if loss_spec.cosine_weight > 0:
+            cosine = cosine_distance_sum(student_out.hidden_states[1:], teacher_out.hidden_states[1:])
+            loss = loss + loss_spec.cosine_weight * cosine / cosine_count
+            sums[0] += cosine.detach().double()
+        if loss_spec.kl_weight > 0 or loss_spec.lm_weight > 0:
+            student_final = student_out.last_hidden_state
+            teacher_final = student_final if teacher_out is None else teacher_out.last_hidden_state
+            terms = logit_term_sums(student_final, teacher_final, ids,
+                                    self.student.get_output_embeddings(), self.teacher.get_output_embeddings(),
+                                    temperature=loss_spec.temperature, with_kl=loss_spec.kl_weight > 0,
+                                    with_nll=loss_spec.lm_weight > 0)
+            loss = loss + (loss_spec.kl_weight * terms.kl + loss_spec.lm_weight * terms.nll) / predicted
+            sums[1] += terms.kl.detach().double()
+            sums[2] += terms.nll.detach().double()
+        return loss
 
     def evaluate(self) -> dict[str, float]:
         from mlxkit.engines.eval.language_model import evaluate
 
         self.student.eval()
-        result = evaluate(self.student, self.val_ids, reference=self.teacher)
+        with self.placement.autocast():
+            result = evaluate(self.student, self.val_ids.to(self.placement.device), reference=self.teacher)
         self.student.train()
         return {"kl_div": result.kl_div, "top1_agreement": result.top1_agreement, "perplexity": result.perplexity}
 
     def train(self) -> dict[str, Any] | None:
         """Run the remaining steps; returns the summary, or None when stopped early or on a non-main rank."""
-        log = self.work / LOG_NAME
-        if self.dist.is_main:
-            truncate_log(log, self.state.log_lines)
-            if self.state.step == 0 and self.state.log_lines == 0:
-                append_log(log, {"step": 0, "tokens": 0, "eval": self.evaluate()}, self.state)
-        self.dist.barrier()
+        schedule = self.recipe.schedule
+        loop = StepLoop(self.work / LOG_NAME, self.dist, self.reporter, self.state, self.steps, schedule.eval_every,
+                        schedule.checkpoint_every, self.options.stop_after_steps)
         tokens_per_step = self.recipe.optim.batch_sequences * self.seq_len
-        stop = self.steps if self.options.stop_after_steps is None else min(self.steps, self.options.stop_after_steps)
-        title = f"{self.options.mode.upper()}: {self.steps} steps of {tokens_per_step} tokens"
-        with self.reporter.task(title, total=self.steps) as task:
-            task.advance(self.state.step)
-            for step in range(self.state.step, stop):
-                started = time.perf_counter()
-                terms = self.train_step(step)
-                seconds = time.perf_counter() - started
-                self.state.step, self.state.tokens_seen = step + 1, self.state.tokens_seen + tokens_per_step
-                record: dict[str, Any] = {"step": step + 1, "tokens": self.state.tokens_seen,
-                                          "lr": self.optimizer.param_groups[0]["lr"], **terms,
-                                          "tokens_per_s": tokens_per_step / seconds}
-                last = step + 1 == self.steps
-                if self.dist.is_main and ((step + 1) % self.recipe.schedule.eval_every == 0 or last):
-                    record["eval"] = self.evaluate()
-                if self.dist.is_main:
-                    append_log(log, record, self.state)
-                if (step + 1) % self.recipe.schedule.checkpoint_every == 0 or step + 1 == stop:
-                    if self.dist.is_main and not last:
-                        save_checkpoint(self.work / "checkpoint", self.student, self.optimizer, self.state)
-                    self.dist.barrier()
-                task.advance()
-                task.update(loss=terms["loss"], tok_s=round(record["tokens_per_s"], 1))
-        if self.state.step < self.steps or not self.dist.is_main:
+        finished = loop.run(title=f"{self.options.mode.upper()}: {self.steps} steps of {tokens_per_step} tokens",
+                            step=self.train_step, evaluate=self.evaluate, optimizer=self.optimizer,
+                            checkpoint=lambda: save_checkpoint(self.work / "checkpoint", self.student,
+                                                               self.optimizer, self.state))
+        if not finished or not self.dist.is_main:
             return None  # every rank meets the others again in cleanup()
-        return self._summary(log)
+        return self._summary(loop.records())
 
-    def _summary(self, log: Path) -> dict[str, Any]:
-        records = [json.loads(line) for line in log.read_text().splitlines()]
+    def _summary(self, records: list[dict[str, Any]]) -> dict[str, Any]:
         evals = [r for r in records if "eval" in r]
-        speeds = [r["tokens_per_s"] for r in records if "tokens_per_s" in r]
         return {"mode": self.options.mode, "steps": self.steps, "tokens": self.state.tokens_seen,
                 "seq_len": self.seq_len, "batch_sequences": self.recipe.optim.batch_sequences,
-                "world_size": self.dist.world_size, "before": evals[0]["eval"], "after": evals[-1]["eval"],
+                "world_size": self.dist.world_size, "device": str(self.placement.device),
+                "compute_dtype": str(self.placement.dtype).removeprefix("torch."),
+                "saved_dtype": str(self.save_dtype).removeprefix("torch."),
+                "before": evals[0]["eval"], "after": evals[-1]["eval"],
                 "final_loss": records[-1].get("loss"),
-                "median_tokens_per_s": sorted(speeds)[len(speeds) // 2] if speeds else None}
+                "train_seconds": round(self.state.extra["train_seconds"], 3),
+                "median_tokens_per_s": median([r["tokens_per_s"] for r in records if "tokens_per_s" in r])}
 
     # ------------------------------------------------------------------ save
     def save(self, summary: dict[str, Any]) -> Path:
@@ -325,7 +303,7 @@ class DistillationRun:
 
         # save_model writes to a temporary directory; the log travels inside it.
         out = save_model(self.student, self.tokenizer, self.out, _ManifestWithLog(manifest, log),
-                         overwrite=self.options.overwrite)
+                         overwrite=self.options.overwrite, dtype=self.save_dtype)
         shutil.rmtree(self.work, ignore_errors=True)
         return out
 

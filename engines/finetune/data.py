@@ -38,6 +38,11 @@ class Batch:
     def tokens(self) -> int:
         return int(self.lengths.sum())
 
+    def to(self, device: torch.device) -> "Batch":
+        """The same batch on `device` (where the model is)."""
+        return Batch(self.ids.to(device), self.lengths.to(device),
+                     None if self.labels is None else self.labels.to(device))
+
 
 @dataclass
 class Examples:

@@ -147,9 +147,15 @@ def fo_layer_parameters(model: FinetuneModel, fo_layers: int) -> set[int]:
     return chosen
 
 
-def save_outputs(model: FinetuneModel, peft_model: Any, tokenizer, directory: Path, *, merge: bool) -> str:
-    """Write the trained weights into `directory` (a fresh temporary one); returns the format written."""
+def save_outputs(model: FinetuneModel, peft_model: Any, tokenizer, directory: Path, *, merge: bool,
+                 dtype: torch.dtype | None = None) -> str:
+    """Write the trained weights into `directory` (a fresh temporary one), in `dtype` when given (the
+    model is cast in place); returns the format written."""
     from mlxkit.engines.models.saving import save_model_files
+
+    if dtype is not None:
+        model.to(dtype)
+        model.lm.config.dtype = dtype
 
     if peft_model is None:
         save_model_files(model.lm, tokenizer, directory)

@@ -12,9 +12,9 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from mlxkit.engines.distill.recipe import OptimSpec  # one optimiser schema for every training verb
 from mlxkit.engines.core.yaml_config import load_packaged_or_file, packaged_names, validate_model, with_overrides
 from mlxkit.engines.errors import RecipeError
+from mlxkit.engines.training.spec import GradientCheckpointing, OptimSpec
 from mlxkit.engines.robust.recipe import CrtRecipe
 
 RECIPE_PACKAGE = "mlxkit.recipes.finetune"
@@ -54,6 +54,10 @@ class DataSpec(_Strict):
     label_field: str = Field("label", min_length=1)  # classification JSONL field holding the label
 
 
+class FinetuneOptimSpec(OptimSpec):
+    betas: tuple[float, float] = (0.9, 0.999)  # torch's AdamW default, which fine-tuning has always used
+
+
 class ScheduleSpec(_Strict):
     steps: int = Field(100, ge=1)
     eval_every: int = Field(20, ge=1)
@@ -68,8 +72,9 @@ class FinetuneRecipe(_Strict):
     lora: Optional[LoraSpec] = LoraSpec()
     htuning: Optional[HTuningSpec] = None
     data: DataSpec = DataSpec()
-    optim: OptimSpec = OptimSpec()
+    optim: FinetuneOptimSpec = FinetuneOptimSpec()
     schedule: ScheduleSpec = ScheduleSpec()
+    gradient_checkpointing: GradientCheckpointing = "auto"  # of the model's decoder layers
 
     @model_validator(mode="after")
     def _consistent(self) -> "FinetuneRecipe":

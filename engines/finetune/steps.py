@@ -5,6 +5,10 @@ the learning rate, clips and steps the optimiser. A global batch is split over p
 (rank r takes sequences r, r+W, ...) and then into micro-batches; every piece's loss is its
 sum over loss terms divided by the global batch's count, and gradients are summed over
 ranks, so W processes compute what one process computes for the same global batch.
+
+Backprop forwards run under the placement's autocast (float32 master weights, lower-precision
+compute). The two SPSA forwards of H-Tuning do not: their loss difference at ε = 1e-3 is far
+below what bfloat16 resolves, so they run in float32.
 """
 
 from __future__ import annotations
@@ -15,11 +19,13 @@ from typing import Iterator, Sequence
 
 import torch
 
-from mlxkit.engines.training.distributed import Distributed, gradients
 from mlxkit.engines.finetune.data import Batch
 from mlxkit.engines.finetune.model import FinetuneModel
 from mlxkit.engines.finetune.recipe import HTuningSpec
 from mlxkit.engines.finetune.zeroth_order import mix_gradient, spsa_losses, zo_gradients
+from mlxkit.engines.training.device import Placement
+from mlxkit.engines.training.distributed import Distributed, gradients
+from mlxkit.engines.training.step import term_sums
 
 
 @contextlib.contextmanager
@@ -41,14 +47,16 @@ def frozen(params: Sequence[torch.nn.Parameter]) -> Iterator[None]:
 
 
 def first_order_step(model: FinetuneModel, params: Sequence[torch.nn.Parameter], pieces: Sequence[Batch],
-                     units: int, dist: Distributed) -> dict[str, float]:
+                     units: int, dist: Distributed, placement: Placement | None = None) -> dict[str, float]:
     """Backprop on this rank's micro-batches; `units` is the global batch's loss-term count."""
+    placement = placement or Placement.cpu()
     model.train()
-    loss_sum = torch.zeros(1, dtype=torch.float64)
+    loss_sum = term_sums(1, placement.device)
     for piece in pieces:
-        loss = model.loss_sum(piece)
+        with placement.autocast():
+            loss = model.loss_sum(piece)
         (loss / units).backward()
-        loss_sum += loss.item()
+        loss_sum += loss.detach().double()
     dist.all_reduce_sum([*gradients(params), loss_sum])
     return {"loss": loss_sum.item() / units}
 
@@ -60,7 +68,8 @@ class MixOrderSplit:
 
 
 def mix_order_step(model: FinetuneModel, split: MixOrderSplit, pieces: Sequence[Batch], fo_pieces: Sequence[Batch],
-                   units: int, fo_units: int, spec: HTuningSpec, seed: int, dist: Distributed) -> dict[str, float]:
+                   units: int, fo_units: int, spec: HTuningSpec, seed: int, dist: Distributed,
+                   placement: Placement | None = None) -> dict[str, float]:
     """H-Tuning's gradient for one step (`seed` fixes the SPSA direction z).
 
     1. SPSA on the whole batch: loss at θ_ZO + εz with no autograd at all; then at θ_ZO − εz
@@ -71,6 +80,7 @@ def mix_order_step(model: FinetuneModel, split: MixOrderSplit, pieces: Sequence[
        the ZO set, with the FO set frozen.
     3. ZO set: g = c·g_FO + (1−c)·‖g_FO‖·g_ZO/‖g_ZO‖ per tensor, g_ZO = p·z.
     """
+    placement = placement or Placement.cpu()
     zo, fo = split.zo, split.fo
     for p in zo + fo:
         p.grad = None
@@ -95,10 +105,11 @@ def mix_order_step(model: FinetuneModel, split: MixOrderSplit, pieces: Sequence[
     fo_loss = 0.0
     with frozen(fo):
         for piece in fo_pieces:
-            loss = model.loss_sum(piece)
+            with placement.autocast():
+                loss = model.loss_sum(piece)
             (loss / fo_units).backward()
             fo_loss += loss.item()
-    sums = torch.tensor([plus, minus, fo_loss], dtype=torch.float64)
+    sums = torch.tensor([plus, minus, fo_loss], dtype=torch.float64, device=placement.device)
     dist.all_reduce_sum([*gradients(zo), *gradients(fo), sums])
     plus, minus, fo_loss = sums.tolist()
     projected = (plus - minus) / units / (2.0 * spec.zo_eps)

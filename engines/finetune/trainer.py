@@ -16,7 +16,6 @@ created, so a refused run leaves nothing behind.
 
 from __future__ import annotations
 
-import json
 import math
 import resource
 import shutil
@@ -29,20 +28,24 @@ from typing import Any
 import torch
 
 from mlxkit.engines.core.atomic import atomic_output_dir
-from mlxkit.engines.training.distributed import Distributed
 from mlxkit.engines.core.manifest import Manifest, content_hash
 from mlxkit.engines.core.progress import Reporter
 from mlxkit.engines.core.seeds import derive_seed
-from mlxkit.engines.distill.checkpoint import (TrainingState, append_log, check_run_key, finished_run_key,
-                                               load_checkpoint, refuse_existing_output, save_checkpoint,
-                                               truncate_log, work_dir_beside)
-from mlxkit.engines.distill.trainer import batch_indices, learning_rate
 from mlxkit.engines.errors import InputError, NonFiniteError
 from mlxkit.engines.finetune.data import (Batch, Examples, LabelledTexts, classification_examples, lm_examples,
                                           read_raw)
 from mlxkit.engines.finetune.model import build_model, fo_layer_parameters, save_outputs
 from mlxkit.engines.finetune.recipe import FinetuneRecipe
 from mlxkit.engines.finetune.steps import MixOrderSplit, first_order_step, mix_order_step
+from mlxkit.engines.training.checkpoint import TrainingState, load_checkpoint, save_checkpoint
+from mlxkit.engines.training.device import Placement
+from mlxkit.engines.training.distributed import Distributed
+from mlxkit.engines.training.loop import StepLoop, StepOutcome, median
+from mlxkit.engines.training.schedule import batch_indices
+from mlxkit.engines.training.spec import build_adamw, gradient_checkpointing_on
+from mlxkit.engines.training.step import (check_global_batch, clip_and_step, enable_gradient_checkpointing,
+                                          place_trainable, set_learning_rate)
+from mlxkit.engines.training.work import check_run_key, finished_run_key, refuse_existing_output, work_dir_beside
 
 LOG_NAME = "finetune_log.jsonl"
 
@@ -77,7 +80,10 @@ class FinetuneRun:
         self.options = options
         self.recipe = options.recipe
         self.reporter = reporter or Reporter()
-        self.dist = Distributed.from_env()
+        self.placement = Placement.resolve(options.device, options.dtype)
+        self.dist = Distributed.from_env(self.placement.device)
+        for note in self.dist.notes:
+            self.reporter.notice(note)
         self.out = Path(options.out).expanduser().resolve()
         self.work = work_dir_for(self.out)
         self.started = time.time()
@@ -85,7 +91,7 @@ class FinetuneRun:
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
         """Check everything, load and prepare; the work directory appears only once all checks passed."""
-        from mlxkit.engines.models.loading import load_model
+        from mlxkit.engines.models.loading import load_model, source_dtype
 
         recipe, options = self.recipe, self.options
         self._check_options()
@@ -96,6 +102,7 @@ class FinetuneRun:
             eval_raw = read_raw(options.eval_data, "causal_lm", text_field, label_field)
         loaded = load_model(options.model, allow_pickle=options.allow_pickle, reporter=self.reporter)
         self.tokenizer, self.source = loaded.tokenizer, loaded.source
+        self.save_dtype = self.placement.save_dtype(source_dtype(loaded.source), options.save_dtype)
         lm = loaded.model
         lm.config._attn_implementation = "sdpa"
         positions = getattr(lm.config, "max_position_embeddings", None)
@@ -105,6 +112,9 @@ class FinetuneRun:
         torch.manual_seed(derive_seed(options.seed, "finetune"))
         labels = raw.label_names if isinstance(raw, LabelledTexts) else None
         self.model, self.peft = build_model(lm, recipe, labels, model_spec=f"model '{options.model}'")
+        place_trainable(self.model, self.placement)
+        if gradient_checkpointing_on(recipe.gradient_checkpointing, self.placement.device):
+            enable_gradient_checkpointing(lm)
         self.params = [p for _, p in self.model.trainable()]
         if recipe.method == "htuning":
             assert recipe.htuning is not None
@@ -117,7 +127,7 @@ class FinetuneRun:
         self.units_per_sequence = 1 if labels is not None else recipe.data.seq_len - 1
         self.steps = recipe.schedule.steps
         spec = recipe.optim
-        self.optimizer = torch.optim.AdamW(self.params, lr=spec.lr, weight_decay=spec.weight_decay)
+        self.optimizer = build_adamw(self.params, spec)
         check_run_key(self.work, self._run_key(), self.dist)
         self.state = TrainingState(0, 0, 0, {"train_seconds": 0.0})
         resumed = load_checkpoint(self.work / "checkpoint", self.model, self.optimizer,
@@ -131,9 +141,7 @@ class FinetuneRun:
         recipe, options = self.recipe, self.options
         if not options.overwrite:
             refuse_existing_output(self.out, self.work, self.dist)
-        if recipe.optim.batch_sequences % self.dist.world_size:
-            raise InputError(f"the global batch ({recipe.optim.batch_sequences} sequences) must divide evenly over "
-                             f"{self.dist.world_size} processes")
+        check_global_batch(recipe.optim.batch_sequences, self.dist.world_size, "optim.batch_sequences")
         if options.merge and recipe.method == "full":
             raise InputError("--merge folds an adapter into the base; the full recipe already writes whole weights")
         if options.eval_data is not None and recipe.objective != "causal_lm":
@@ -158,21 +166,22 @@ class FinetuneRun:
                           "hash": content_hash(model_path) if model_path is not None else None},
                 "data": hashed(self.options.data), "eval_data": hashed(self.options.eval_data),
                 "text_field": self.options.text_field, "seed": self.options.seed, "steps": self.steps,
+                "compute_dtype": str(self.placement.dtype),
                 "recipe": self.recipe.model_dump(exclude={"name", "description", "schedule"})}
 
     # ------------------------------------------------------------------ train
     def _pieces(self, indices: list[int]) -> list[Batch]:
         micro = self.recipe.optim.micro_batch_sequences
-        return [self.train_data.batch(indices[lo:lo + micro]) for lo in range(0, len(indices), micro)]
+        return [self.train_data.batch(indices[lo:lo + micro]).to(self.placement.device)
+                for lo in range(0, len(indices), micro)]
 
-    def train_step(self, step: int) -> tuple[dict[str, float], int]:
-        """One optimiser step on the global batch of `step`; returns its loss terms (global means) and tokens."""
+    def train_step(self, step: int) -> StepOutcome:
+        """One optimiser step on the global batch of `step`; its loss terms are global means."""
         spec = self.recipe.optim
         indices = batch_indices(step, spec.batch_sequences, len(self.train_data), self.options.seed)
         rank, world = self.dist.rank, self.dist.world_size
         units = spec.batch_sequences * self.units_per_sequence
-        for group in self.optimizer.param_groups:
-            group["lr"] = learning_rate(step, self.steps, self.recipe)  # reads recipe.optim's schedule fields
+        set_learning_rate(self.optimizer, spec.lr_at(step, self.steps))
         self.optimizer.zero_grad(set_to_none=True)
         if self.recipe.method == "htuning":
             ht = self.recipe.htuning
@@ -180,73 +189,46 @@ class FinetuneRun:
             fo_mine = indices[rank:ht.fo_sequences:world]  # this rank's part of the first fo_sequences
             terms = mix_order_step(self.model, self.split, self._pieces(indices[rank::world]), self._pieces(fo_mine),
                                    units, ht.fo_sequences * self.units_per_sequence, ht,
-                                   derive_seed(self.options.seed, "spsa", step), self.dist)
+                                   derive_seed(self.options.seed, "spsa", step), self.dist, self.placement)
         else:
-            terms = first_order_step(self.model, self.params, self._pieces(indices[rank::world]), units, self.dist)
-        if spec.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.params, spec.grad_clip)
-        self.optimizer.step()
+            terms = first_order_step(self.model, self.params, self._pieces(indices[rank::world]), units, self.dist,
+                                     self.placement)
+        clip_and_step(self.optimizer, self.params, spec.grad_clip)
         if not all(math.isfinite(v) for v in terms.values()):
             raise NonFiniteError(f"the fine-tuning loss became non-finite at step {step} (try a lower optim.lr)")
-        return terms, int(self.train_data.lengths[indices].sum())
+        return StepOutcome(terms, int(self.train_data.lengths[indices].sum()), {"loss": terms["loss"]})
 
     def evaluate(self) -> dict[str, float]:
-        return self.model.evaluate(self.val_data, self.recipe.optim.micro_batch_sequences)
+        with self.placement.autocast():
+            return self.model.evaluate(self.val_data, self.recipe.optim.micro_batch_sequences)
 
     def train(self) -> dict[str, Any] | None:
         """Run the remaining steps; returns the summary, or None when stopped early or on a non-main rank."""
-        log = self.work / LOG_NAME
-        if self.dist.is_main:
-            truncate_log(log, self.state.log_lines)
-            if self.state.step == 0 and self.state.log_lines == 0:
-                append_log(log, {"step": 0, "tokens": 0, "train_s": 0.0, "eval": self.evaluate()}, self.state)
-        self.dist.barrier()
         schedule = self.recipe.schedule
-        stop = self.steps if self.options.stop_after_steps is None else min(self.steps, self.options.stop_after_steps)
-        title = f"{self.recipe.method}: {self.steps} steps of {self.recipe.optim.batch_sequences} sequences"
-        with self.reporter.task(title, total=self.steps) as task:
-            task.advance(self.state.step)
-            for step in range(self.state.step, stop):
-                started = time.perf_counter()
-                terms, tokens = self.train_step(step)
-                seconds = time.perf_counter() - started
-                self.state.step, self.state.tokens_seen = step + 1, self.state.tokens_seen + tokens
-                self.state.extra["train_seconds"] += seconds
-                record: dict[str, Any] = {"step": step + 1, "tokens": self.state.tokens_seen,
-                                          "lr": self.optimizer.param_groups[0]["lr"], **terms,
-                                          "step_s": seconds, "tokens_per_s": tokens / seconds,
-                                          "train_s": self.state.extra["train_seconds"]}
-                last = step + 1 == self.steps
-                if self.dist.is_main and ((step + 1) % schedule.eval_every == 0 or last):
-                    record["eval"] = self.evaluate()
-                if self.dist.is_main:
-                    append_log(log, record, self.state)
-                if ((step + 1) % schedule.checkpoint_every == 0 or step + 1 == stop) and not last:
-                    if self.dist.is_main:
-                        save_checkpoint(self.work / "checkpoint", self.model, self.optimizer, self.state,
-                                        trainable_only=self.peft is not None)
-                    self.dist.barrier()
-                task.advance()
-                task.update(loss=terms["loss"], tok_s=round(record["tokens_per_s"], 1))
-        if self.state.step < self.steps or not self.dist.is_main:
+        loop = StepLoop(self.work / LOG_NAME, self.dist, self.reporter, self.state, self.steps, schedule.eval_every,
+                        schedule.checkpoint_every, self.options.stop_after_steps)
+        finished = loop.run(title=f"{self.recipe.method}: {self.steps} steps of {self.recipe.optim.batch_sequences} "
+                                  "sequences", step=self.train_step, evaluate=self.evaluate, optimizer=self.optimizer,
+                            checkpoint=lambda: save_checkpoint(self.work / "checkpoint", self.model, self.optimizer,
+                                                               self.state, trainable_only=self.peft is not None))
+        if not finished or not self.dist.is_main:
             return None  # every rank meets the others again in cleanup()
-        return self._summary(log)
+        return self._summary(loop.records())
 
-    def _summary(self, log: Path) -> dict[str, Any]:
-        records = [json.loads(line) for line in log.read_text().splitlines()]
+    def _summary(self, records: list[dict[str, Any]]) -> dict[str, Any]:
         evals = [r for r in records if "eval" in r]
-        step_seconds = sorted(r["step_s"] for r in records if "step_s" in r)
-        speeds = sorted(r["tokens_per_s"] for r in records if "tokens_per_s" in r)
         total = sum(p.numel() for p in self.model.parameters())
         trainable = sum(p.numel() for p in self.params)
         return {"method": self.recipe.method, "objective": self.recipe.objective, "steps": self.steps,
                 "tokens": self.state.tokens_seen, "batch_sequences": self.recipe.optim.batch_sequences,
                 "seq_len": self.recipe.data.seq_len, "world_size": self.dist.world_size,
+                "device": str(self.placement.device), "compute_dtype": str(self.placement.dtype).removeprefix("torch."),
+                "saved_dtype": str(self.save_dtype).removeprefix("torch."),
                 "trainable_parameters": trainable, "parameters": total,
                 "before": evals[0]["eval"], "after": evals[-1]["eval"], "final_loss": records[-1].get("loss"),
                 "train_seconds": round(self.state.extra["train_seconds"], 3),
-                "median_step_s": step_seconds[len(step_seconds) // 2] if step_seconds else None,
-                "median_tokens_per_s": speeds[len(speeds) // 2] if speeds else None,
+                "median_step_s": median([r["step_s"] for r in records if "step_s" in r]),
+                "median_tokens_per_s": median([r["tokens_per_s"] for r in records if "tokens_per_s" in r]),
                 "peak_rss_mib": round(_peak_rss_mib(), 1)}
 
     # ------------------------------------------------------------------ save
@@ -262,7 +244,7 @@ class FinetuneRun:
                              "run_key": finished_run_key(self.work), **options.manifest_extra}
         self.model.eval()
         with atomic_output_dir(self.out, overwrite=options.overwrite) as tmp:
-            kind = save_outputs(self.model, self.peft, self.tokenizer, tmp, merge=options.merge)
+            kind = save_outputs(self.model, self.peft, self.tokenizer, tmp, merge=options.merge, dtype=self.save_dtype)
             summary["format"] = kind
             manifest.results = {**summary, "log": LOG_NAME}
             shutil.copyfile(self.work / LOG_NAME, tmp / LOG_NAME)

@@ -11,7 +11,8 @@ image bilinearly (`grid_sample`, border padding); its budget bounds each pixel's
 displacement length. The original StAdv adds a flow-smoothness penalty; this one bounds
 the flow magnitude only, which keeps the threat model a plain projection.
 
-Every random start draws from the generator it is given, so a step's attack is a pure
+Every random start draws from the (CPU) generator it is given and is then moved to the data's
+device, so the draws are the same on every device, and a step's attack is a pure
 function of the seed and the step: training resumes bit for bit.
 """
 
@@ -94,10 +95,10 @@ class PGDAttack:
 
     def random_start(self, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         if self.norm == "linf":
-            delta = (torch.rand(x.shape, generator=generator, dtype=x.dtype) * 2 - 1) * self.budget
+            delta = (torch.rand(x.shape, generator=generator, dtype=x.dtype).to(x.device) * 2 - 1) * self.budget
         else:
-            direction = torch.randn(x.shape, generator=generator, dtype=x.dtype)
-            radius = torch.rand(x.shape[0], generator=generator, dtype=x.dtype) * self.budget
+            direction = torch.randn(x.shape, generator=generator, dtype=x.dtype).to(x.device)
+            radius = torch.rand(x.shape[0], generator=generator, dtype=x.dtype).to(x.device) * self.budget
             delta = direction * _broadcast(radius / lp_norm(direction, self.norm).clamp_min(_TINY), x)
         return (x + delta).clamp(self.low, self.high) - x
 
@@ -134,10 +135,12 @@ class PGDAttack:
         return (x + delta).clamp(self.low, self.high).detach()
 
 
-def identity_grid(height: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+def identity_grid(height: int, width: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
     """[H, W, 2] sampling positions (x, y) of every pixel centre in grid_sample's [-1, 1] coordinates."""
-    ys = torch.linspace(-1.0, 1.0, height, dtype=dtype) if height > 1 else torch.zeros(1, dtype=dtype)
-    xs = torch.linspace(-1.0, 1.0, width, dtype=dtype) if width > 1 else torch.zeros(1, dtype=dtype)
+    ys = torch.linspace(-1.0, 1.0, height, dtype=dtype, device=device) if height > 1 else \
+        torch.zeros(1, dtype=dtype, device=device)
+    xs = torch.linspace(-1.0, 1.0, width, dtype=dtype, device=device) if width > 1 else \
+        torch.zeros(1, dtype=dtype, device=device)
     grid_y, grid_x = torch.meshgrid(ys, xs, indexing="ij")
     return torch.stack([grid_x, grid_y], dim=-1)
 
@@ -145,8 +148,8 @@ def identity_grid(height: int, width: int, dtype: torch.dtype) -> torch.Tensor:
 def warp(x: torch.Tensor, flow: torch.Tensor) -> torch.Tensor:
     """Resample images [N, C, H, W] at each pixel displaced by `flow` [N, H, W, 2] (dx, dy in pixels)."""
     height, width = x.shape[-2:]
-    pixel = torch.tensor([2.0 / max(width - 1, 1), 2.0 / max(height - 1, 1)], dtype=x.dtype)
-    grid = identity_grid(height, width, x.dtype) + flow * pixel
+    pixel = torch.tensor([2.0 / max(width - 1, 1), 2.0 / max(height - 1, 1)], dtype=x.dtype, device=x.device)
+    grid = identity_grid(height, width, x.dtype, x.device) + flow * pixel
     return F.grid_sample(x, grid, mode="bilinear", padding_mode="border", align_corners=True)
 
 
@@ -180,7 +183,8 @@ class FlowAttack:
         step_size = self.step_size if step_size is None else step_size
         x = x.detach()
         batch, _, height, width = x.shape
-        start = (torch.rand((batch, height, width, 2), generator=generator, dtype=x.dtype) * 2 - 1) * self.budget
+        start = (torch.rand((batch, height, width, 2), generator=generator, dtype=x.dtype).to(x.device) * 2 - 1) \
+            * self.budget
         flow = self._project(start)
         for _ in range(steps):
             flow.requires_grad_(True)

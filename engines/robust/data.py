@@ -30,6 +30,9 @@ class LabelledArrays:
     def subset(self, indices: torch.Tensor) -> "LabelledArrays":
         return LabelledArrays(self.x[indices], self.y[indices])
 
+    def to(self, device: torch.device) -> "LabelledArrays":
+        return LabelledArrays(self.x.to(device), self.y.to(device))
+
 
 def read_npz(path: str | os.PathLike, input_shape: list[int], num_classes: int, low: float,
              high: float) -> LabelledArrays:

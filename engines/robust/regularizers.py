@@ -33,6 +33,6 @@ def alr_point(model: torch.nn.Module, x: torch.Tensor, attack: Attack, generator
 
 def uniform_point(x: torch.Tensor, sigma: float, low: float, high: float, generator: torch.Generator) -> torch.Tensor:
     """x′ for UR: uniform noise rescaled to ℓ2 norm ≤ σ, clipped to [low, high]."""
-    noise = torch.rand(x.shape, generator=generator, dtype=x.dtype) * 2 - 1
+    noise = torch.rand(x.shape, generator=generator, dtype=x.dtype).to(x.device) * 2 - 1
     scale = (sigma / lp_norm(noise, "l2").clamp_min(1e-12)).clamp(max=1.0)
     return (x + noise * _broadcast(scale, x)).clamp(low, high)

@@ -33,15 +33,10 @@ import torch
 import torch.nn.functional as F
 
 from mlxkit.engines.core.atomic import atomic_output_dir
-from mlxkit.engines.training.distributed import Distributed
 from mlxkit.engines.core.manifest import MANIFEST_NAME, Manifest, content_hash
 from mlxkit.engines.core.progress import Reporter
 from mlxkit.engines.core.seeds import derive_seed, seeded_generator
 from mlxkit.engines.core.threads import one_intra_op_thread
-from mlxkit.engines.distill.checkpoint import (TrainingState, append_log, check_run_key, finished_run_key,
-                                               load_checkpoint, refuse_existing_output, save_checkpoint,
-                                               truncate_log, work_dir_beside)
-from mlxkit.engines.distill.trainer import batch_indices
 from mlxkit.engines.errors import InputError, NonFiniteError
 from mlxkit.engines.robust.attacks import ATTACK_NAMES, Attack, cross_entropy_objective, make_attack
 from mlxkit.engines.robust.classifier import (Classifier, build_classifier, is_classifier_dir, load_classifier,
@@ -51,6 +46,13 @@ from mlxkit.engines.robust.evaluation import robustness_report
 from mlxkit.engines.robust.recipe import CrtRecipe, PhaseSpec
 from mlxkit.engines.robust.regularizers import alr_point, logit_distance, uniform_point
 from mlxkit.engines.robust.sampler import ContinualSampler
+from mlxkit.engines.training.checkpoint import TrainingState, load_checkpoint, save_checkpoint
+from mlxkit.engines.training.device import Placement
+from mlxkit.engines.training.distributed import Distributed
+from mlxkit.engines.training.loop import StepLoop, StepOutcome, median
+from mlxkit.engines.training.schedule import batch_indices, warmup_cosine
+from mlxkit.engines.training.step import clip_and_step, set_learning_rate
+from mlxkit.engines.training.work import check_run_key, finished_run_key, refuse_existing_output, work_dir_beside
 
 LOG_NAME = "crt_log.jsonl"
 TRAINED_ATTACKS_KEY = "attacks_trained"  # manifest settings: every attack the model has been trained against
@@ -107,7 +109,7 @@ def phase_learning_rate(step: int, phase: PhaseSpec) -> float:
     """Constant, or cosine from `lr` down to 0 over the phase's steps."""
     if phase.schedule == "constant":
         return phase.lr
-    return phase.lr * 0.5 * (1 + math.cos(math.pi * step / phase.steps))
+    return warmup_cosine(step, phase.steps, phase.lr)
 
 
 class CrtRun:
@@ -122,13 +124,17 @@ class CrtRun:
         self.started = time.time()
         self.phase_name = "train" if options.new_attack is None else "finetune"
         self.phase = self.recipe.train if options.new_attack is None else self.recipe.finetune
+        # One process: these classifiers are far too small to share out. The device rule is every verb's;
+        # the classifier trains in float32 (its ops are too small for lower precision to pay).
+        self.placement = Placement(Placement.resolve(options.device, options.dtype).device, torch.float32)
+        self.dist = Distributed(device=self.placement.device)
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
         """Check everything and load; the work directory appears only once all checks passed."""
         options, recipe = self.options, self.recipe
         if not options.overwrite:
-            refuse_existing_output(self.out, self.work, Distributed())
+            refuse_existing_output(self.out, self.work, self.dist)
         self.model_path = Path(options.model).expanduser()
         self._check_attack_names()
         if is_classifier_dir(self.model_path):
@@ -158,11 +164,14 @@ class CrtRun:
             self.eval_data = held.subset(torch.arange(min(len(held), data.held_out_examples)))
         else:
             self.train_data, self.eval_data = split_held_out(loaded, data.held_out_examples, options.seed)
+        self.model.to(self.placement.device)
+        self.train_data, self.eval_data = self.train_data.to(self.placement.device), \
+            self.eval_data.to(self.placement.device)
         self.attacks = build_attacks(recipe, self.attack_names)
         self.eval_attacks = build_attacks(recipe, self.attack_names, for_eval=True)
         self.optimizer = self._optimizer()
         self.sampler = ContinualSampler({name: 0.0 for name in self.attack_names}, recipe.sampler.momentum)
-        check_run_key(self.work, self._run_key(), Distributed())
+        check_run_key(self.work, self._run_key(), self.dist)
         self.state = TrainingState(0, 0, 0, {"train_seconds": 0.0})
         resumed = load_checkpoint(self.work / "checkpoint", self.model, self.optimizer)
         if resumed is not None:
@@ -229,16 +238,17 @@ class CrtRun:
             return alr_point(self.model, x, attack, generator)
         return uniform_point(x, spec.sigma, self.recipe.data.low, self.recipe.data.high, generator)
 
-    def train_step(self, step: int) -> dict[str, Any]:
+    def train_step(self, step: int) -> StepOutcome:
         """One optimiser step on the batch of `step`, against the attack the sampler draws for it."""
         recipe, seed, phase = self.recipe, self.options.seed, self.phase_name
-        indices = torch.tensor(batch_indices(step, recipe.optim.batch_size, len(self.train_data), seed))
+        self.model.train()
+        indices = torch.tensor(batch_indices(step, recipe.optim.batch_size, len(self.train_data), seed),
+                               device=self.placement.device)
         x, y = self.train_data.x[indices], self.train_data.y[indices]
         name = self.sampler.choose(seeded_generator(seed, "crt-attack", phase, step))
         attack = self.attacks[name]
         generator = seeded_generator(seed, "crt-perturb", phase, step)
-        for group in self.optimizer.param_groups:
-            group["lr"] = phase_learning_rate(step, self.phase)
+        set_learning_rate(self.optimizer, phase_learning_rate(step, self.phase))
         x_adv = attack.perturb(self.model, x, cross_entropy_objective(y), generator)
         logits = self.model(x_adv)
         adversarial = F.cross_entropy(logits, y)
@@ -250,60 +260,40 @@ class CrtRun:
             terms["logit_distance"] = float(penalty.detach())
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        if recipe.optim.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), recipe.optim.grad_clip)
-        self.optimizer.step()
+        clip_and_step(self.optimizer, list(self.model.parameters()), recipe.optim.grad_clip)
         if not math.isfinite(loss.item()):
             raise NonFiniteError(f"the crt loss became non-finite at step {step} (try a lower learning rate)")
         accuracy = float((logits.detach().argmax(dim=1) == y).float().mean())
         self.sampler.update(name, accuracy)
-        return {**terms, "loss": loss.item(), "adversarial_ce": adversarial.item(), "robust_accuracy": accuracy}
+        self.state.extra["sampler"] = self.sampler.state()
+        terms = {**terms, "loss": loss.item(), "adversarial_ce": adversarial.item(), "robust_accuracy": accuracy,
+                 "probabilities": self.sampler.probabilities()}
+        return StepOutcome(terms, recipe.optim.batch_size, {"loss": terms["loss"], "attack": name})
 
     def evaluate(self) -> dict[str, object]:
         return robustness_report(self.model, self.eval_data, self.eval_attacks, self.options.seed)
 
     def train(self) -> dict[str, Any] | None:
         """Run the remaining steps; returns the summary, or None when stopped early."""
-        log = self.work / LOG_NAME
-        truncate_log(log, self.state.log_lines)
-        if self.state.step == 0 and self.state.log_lines == 0:
-            self._initial_accuracy()
-            append_log(log, {"step": 0, "sampler": self.sampler.state(), "eval": self.evaluate()}, self.state)
-        steps, every = self.phase.steps, self.recipe.schedule
-        stop = steps if self.options.stop_after_steps is None else min(steps, self.options.stop_after_steps)
-        title = f"crt {self.phase_name} ({','.join(self.attack_names)}): {steps} steps"
-        with self.reporter.task(title, total=steps) as task:
-            task.advance(self.state.step)
-            for step in range(self.state.step, stop):
-                self.model.train()
-                started = time.perf_counter()
-                terms = self.train_step(step)
-                seconds = time.perf_counter() - started
-                self.state.step = step + 1
-                self.state.tokens_seen += self.recipe.optim.batch_size  # examples seen
-                self.state.extra["train_seconds"] += seconds
-                self.state.extra["sampler"] = self.sampler.state()
-                record: dict[str, Any] = {"step": step + 1, "lr": self.optimizer.param_groups[0]["lr"], **terms,
-                                          "probabilities": self.sampler.probabilities(), "step_s": seconds,
-                                          "train_s": self.state.extra["train_seconds"]}
-                last = step + 1 == steps
-                if (step + 1) % every.eval_every == 0 or last:
-                    record["eval"] = self.evaluate()
-                append_log(log, record, self.state)
-                if ((step + 1) % every.checkpoint_every == 0 or step + 1 == stop) and not last:
-                    save_checkpoint(self.work / "checkpoint", self.model, self.optimizer, self.state)
-                task.advance()
-                task.update(loss=terms["loss"], attack=terms["attack"])
-        if self.state.step < steps:
-            return None
-        return self._summary(log)
+        every = self.recipe.schedule
+        loop = StepLoop(self.work / LOG_NAME, self.dist, self.reporter, self.state, self.phase.steps,
+                        every.eval_every, every.checkpoint_every, self.options.stop_after_steps, unit="examples")
 
-    def _summary(self, log: Path) -> dict[str, Any]:
-        records = [json.loads(line) for line in log.read_text().splitlines()]
+        def first_record() -> dict[str, Any]:
+            self._initial_accuracy()
+            return {"step": 0, "sampler": self.sampler.state()}
+
+        finished = loop.run(title=f"crt {self.phase_name} ({','.join(self.attack_names)}): {self.phase.steps} steps",
+                            step=self.train_step, evaluate=self.evaluate, optimizer=self.optimizer,
+                            first_record=first_record,
+                            checkpoint=lambda: save_checkpoint(self.work / "checkpoint", self.model, self.optimizer,
+                                                               self.state))
+        return self._summary(loop.records()) if finished else None
+
+    def _summary(self, records: list[dict[str, Any]]) -> dict[str, Any]:
         evals = [r["eval"] for r in records if "eval" in r]
         steps = [r for r in records if "step_s" in r]
         counts = {name: sum(1 for r in steps if r["attack"] == name) for name in self.attack_names}
-        step_seconds = sorted(r["step_s"] for r in steps)
         return {"method": "crt", "phase": self.phase_name, "attacks": self.attack_names,
                 "old_attacks": self.old_attacks, "new_attack": self.options.new_attack,
                 "regularizer": self.recipe.regularizer.kind, "regularizer_weight": self.recipe.regularizer.weight,
@@ -313,7 +303,7 @@ class CrtRun:
                                                      "probabilities": self.sampler.probabilities()},
                 "before": evals[0], "after": evals[-1],
                 "train_seconds": round(self.state.extra["train_seconds"], 3),
-                "median_step_s": step_seconds[len(step_seconds) // 2] if step_seconds else None}
+                "median_step_s": median([r["step_s"] for r in steps])}
 
     # ------------------------------------------------------------------ save
     def save(self, summary: dict[str, Any]) -> Path:

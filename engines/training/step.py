@@ -1,0 +1,56 @@
+"""Pieces of one optimiser step that every trainer shares: models placed for training, the update, the sums."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from mlxkit.engines.errors import InputError
+from mlxkit.engines.training.device import Placement
+
+
+def place_trainable(model: torch.nn.Module, placement: Placement) -> None:
+    """Float32 master weights on the run's device, in training mode; autocast lowers the compute."""
+    model.to(device=placement.device, dtype=torch.float32)
+    model.train()
+
+
+def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each decoder layer's activations in the backward instead of keeping them (a transformers model)."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise InputError(f"{type(model).__name__} does not support gradient checkpointing "
+                         "(--set gradient_checkpointing=false)")
+    # Non-reentrant checkpointing needs no input that requires grad, so frozen embeddings (LoRA) work.
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def place_frozen(model: torch.nn.Module, placement: Placement) -> None:
+    """An inference-only model (a teacher) in the compute dtype on the run's device, without gradients."""
+    model.to(device=placement.device, dtype=placement.dtype)
+    model.eval().requires_grad_(False)
+
+
+def term_sums(count: int, device: torch.device) -> torch.Tensor:
+    """Float64 accumulators for a step's loss terms, on the device the losses are computed on."""
+    return torch.zeros(count, dtype=torch.float64, device=device)
+
+
+def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def clip_and_step(optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.Parameter], grad_clip: float) -> None:
+    """Clip the global gradient norm (when `grad_clip` > 0), then update."""
+    if grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    optimizer.step()
+
+
+def check_global_batch(batch: int, world_size: int, setting: str, override: str = "--set") -> None:
+    """A global batch must split evenly over the processes; say which setting to change, and to what."""
+    if batch % world_size:
+        fits = -(-batch // world_size) * world_size
+        raise InputError(f"{setting}={batch} sequences do not split evenly over {world_size} processes: use a "
+                         f"multiple of {world_size}, e.g. {override} {setting}={fits}")

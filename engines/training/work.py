@@ -1,0 +1,80 @@
+"""A training run's work directory beside its output: the run key, the log, and what a finished run left.
+
+A run key (`run.json`) in the work directory stops a rerun with other settings from resuming
+silently; the finished output's manifest records the same key, so a later run can tell that
+a leftover work directory belongs to a run that already finished. The training log is cut
+back to the checkpoint's position on resume, so a resumed log equals an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from mlxkit.engines.core.atomic import atomic_write_json, atomic_write_text
+from mlxkit.engines.errors import InputError
+from mlxkit.engines.training.checkpoint import TrainingState
+from mlxkit.engines.training.distributed import Distributed
+
+RUN_KEY = "run.json"
+
+
+def work_dir_beside(out: Path, kind: str) -> Path:
+    """Where a run keeps its work in progress: `.<out>.<kind>-work/` beside its output."""
+    out = Path(out).expanduser().resolve()
+    return out.parent / f".{out.name}.{kind}-work"
+
+
+def check_run_key(work: Path, key: dict[str, Any], dist: Distributed) -> None:
+    """Refuse to resume a run in `work` that was started with other settings; record the key of a new one."""
+    key_file = work / RUN_KEY
+    key = json.loads(json.dumps(key, default=str))
+    if key_file.exists():
+        previous = json.loads(key_file.read_text())
+        changed = sorted(k for k in key if previous.get(k) != key[k])
+        if changed:
+            raise InputError(f"'{work}' holds an unfinished run with other settings ({', '.join(changed)}); "
+                             "delete it to start over, or rerun with the same settings to resume")
+    elif dist.is_main:
+        work.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(key_file, key)
+    dist.barrier()
+
+
+def finished_run_key(work: Path) -> dict[str, Any]:
+    """The run key to record in the finished output's manifest, so a later run can tell whose work is left."""
+    return json.loads((work / RUN_KEY).read_text())
+
+
+def refuse_existing_output(out: Path, work: Path, dist: Distributed) -> None:
+    """An existing `out` is an error. A work directory that the run which wrote `out` left behind
+    (killed between putting `out` in place and removing its work) is removed first."""
+    if not out.exists():
+        return
+    finished = ""
+    if dist.is_main and (work / RUN_KEY).is_file() and (out / "mlxkit.json").is_file():
+        try:
+            recorded = json.loads((out / "mlxkit.json").read_text()).get("settings", {}).get("run_key")
+            if recorded is not None and recorded == json.loads((work / RUN_KEY).read_text()):
+                shutil.rmtree(work, ignore_errors=True)
+                finished = "; an earlier run of this command finished it"
+        except (OSError, ValueError, AttributeError):
+            pass  # not ours to judge: leave the work directory alone
+    raise InputError(f"output '{out}' already exists{finished} (pass --overwrite to replace it)")
+
+
+def truncate_log(log: Path, lines: int) -> None:
+    """Drop log records written after the checkpoint we resume from, so a resumed log equals an uninterrupted one."""
+    if not log.exists():
+        return
+    kept = log.read_text().splitlines()[:lines]
+    atomic_write_text(log, "".join(line + "\n" for line in kept))
+
+
+def append_log(log: Path, record: dict[str, Any], state: TrainingState) -> None:
+    """Append one JSON record to the training log and count it, so a checkpoint knows where the log stood."""
+    with open(log, "a") as handle:
+        handle.write(json.dumps(record) + "\n")
+    state.log_lines += 1
