@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -101,3 +102,51 @@ def test_invalid_kv_heads_are_rejected():
 
     with pytest.raises(InputError, match="divide"):
         child_config(make_tiny_llama().config, [BlockChoice(AttentionVariant("gqa", 3), FFNVariant("no_op"))] * 2)
+
+
+def test_gradient_checkpointing_gives_the_same_loss_and_gradients():
+    # A heterogeneous child (no-op, narrow, linear and GQA subblocks) in training mode: recomputing
+    # every layer in the backward pass must change nothing but memory.
+    config = child_config(make_tiny_llama().config, CHOICES)
+    torch.manual_seed(3)
+    child = MlxDeciLMForCausalLM(config).train()
+    assert child.supports_gradient_checkpointing
+
+    def loss_and_grads():
+        child.zero_grad(set_to_none=True)
+        loss = child(IDS, labels=IDS).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in child.named_parameters() if p.grad is not None}
+
+    plain_loss, plain_grads = loss_and_grads()
+    checkpointed_calls = []
+
+    def counting(inner):
+        def checkpoint(function, *args, **kwargs):
+            checkpointed_calls.append(function)
+            return inner(function, *args, **kwargs)
+        return checkpoint
+
+    # transformers 5 names it activation_checkpointing_enable; gradient_checkpointing_enable is its alias.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        child.gradient_checkpointing_enable()
+        assert all(layer.gradient_checkpointing for layer in child.model.layers)
+        child.gradient_checkpointing_disable()
+    assert not any(layer.gradient_checkpointing for layer in child.model.layers)
+    enable = getattr(child, "activation_checkpointing_enable", child.gradient_checkpointing_enable)
+    enable()
+    for layer in child.model.layers:  # the layers received the checkpointing function; count its calls
+        assert layer.gradient_checkpointing
+        layer._gradient_checkpointing_func = counting(layer._gradient_checkpointing_func)
+    checkpointed_loss, checkpointed_grads = loss_and_grads()
+    assert len(checkpointed_calls) == config.num_hidden_layers
+    torch.testing.assert_close(checkpointed_loss, plain_loss, rtol=0, atol=0)
+    assert checkpointed_grads.keys() == plain_grads.keys() and plain_grads
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(checkpointed_grads[name], grad, rtol=0, atol=0, msg=name)
+    assert child(IDS, use_cache=True).past_key_values is None, "a checkpointed layer must not fill a cache"
+    # Generation (no gradients) is never checkpointed and keeps its cache.
+    child.eval()
+    with torch.no_grad():
+        assert child(IDS, use_cache=True).past_key_values is not None

@@ -71,12 +71,18 @@ def from_parent(parent_model) -> MlxDeciLMForCausalLM:
                          f"unexpected {unexpected[:4]}")
     if config.tie_word_embeddings:
         model.tie_weights()
-    model.model.rotary_emb = type(model.model.rotary_emb)(config=config)  # buffers were on meta
-    return model.to(next(parent_model.parameters()).dtype).eval()
+    weight = next(parent_model.parameters())
+    model = model.to(weight.dtype)
+    # The RoPE buffers were on meta. They are computed on the CPU and kept in float32 whatever
+    # the weights' dtype, as transformers keeps them: bfloat16 frequencies would turn the
+    # angles of late positions into noise.
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=config).to(weight.device)
+    return model.eval()
 
 
 def _add_zero_o_proj_bias(parent_model) -> None:
     for layer in parent_model.model.layers:
         o_proj = layer.self_attn.o_proj
         if o_proj.bias is None:
-            o_proj.bias = torch.nn.Parameter(torch.zeros(o_proj.out_features, dtype=o_proj.weight.dtype))
+            o_proj.bias = torch.nn.Parameter(torch.zeros(o_proj.out_features, dtype=o_proj.weight.dtype,
+                                                         device=o_proj.weight.device))

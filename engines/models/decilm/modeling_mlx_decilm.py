@@ -6,6 +6,9 @@ width, one linear map, or nothing). Weight names follow the public DeciLM layout
 a no-op subblock has no weights and no norm, linear attention lives at
 `self_attn.linear_attn`, linear FFN at `mlp.linear_mlp`. With every layer at the
 parent's shape this is exactly a Llama, logit for logit.
+
+Decoder layers are `GradientCheckpointingLayer`s, as in transformers' Llama:
+`model.gradient_checkpointing_enable()` recomputes each layer in the backward pass.
 """
 
 from __future__ import annotations
@@ -18,12 +21,16 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.masking_utils import create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils import logging
 from transformers.models.llama.modeling_llama import (LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb,
                                                       eager_attention_forward)
 
 from mlxkit.engines.models.decilm.configuration_mlx_decilm import MlxDeciLMConfig
+
+logger = logging.get_logger(__name__)
 
 
 class MlxDeciLMGQAAttention(nn.Module):
@@ -121,8 +128,13 @@ def build_ffn(config: MlxDeciLMConfig, block: dict) -> nn.Module | None:
     return MlxDeciLMMLP(config, ffn["intermediate_size"])
 
 
-class MlxDeciLMDecoderLayer(nn.Module):
-    """Pre-norm residual layer; a no-op subblock has neither weights nor norm."""
+class MlxDeciLMDecoderLayer(GradientCheckpointingLayer):
+    """Pre-norm residual layer; a no-op subblock has neither weights nor norm.
+
+    Under gradient checkpointing `forward` is recomputed in the backward pass, so the
+    hidden states and position embeddings are passed positionally (the convention of
+    `GradientCheckpointingLayer`); `attention_delta` and `ffn_delta` are never checkpointed.
+    """
 
     def __init__(self, config: MlxDeciLMConfig, layer_idx: int):
         super().__init__()
@@ -162,7 +174,7 @@ class MlxDeciLMPreTrainedModel(PreTrainedModel):
     config_class = MlxDeciLMConfig
     config: MlxDeciLMConfig
     base_model_prefix = "model"
-    supports_gradient_checkpointing = False
+    supports_gradient_checkpointing = True
     _no_split_modules = ["MlxDeciLMDecoderLayer"]
     _supports_sdpa = True
     _supports_flash_attn = True
@@ -177,6 +189,7 @@ class MlxDeciLMModel(MlxDeciLMPreTrainedModel):
         self.layers = nn.ModuleList([MlxDeciLMDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        self.gradient_checkpointing = False
         self.post_init()
 
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
@@ -188,13 +201,19 @@ class MlxDeciLMModel(MlxDeciLMPreTrainedModel):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         cache = cache if cache is not None else past_key_values
         use_cache = self.config.use_cache if use_cache is None else use_cache
+        if use_cache and self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            # A checkpointed layer runs twice; a cache would be updated twice (transformers drops it the same way).
+            logger.warning_once("`use_cache=True` is incompatible with gradient checkpointing. Setting `use_cache=False`.")
+            use_cache = False
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
         if position_ids is None:
-            past_seen = cache.get_seq_length() if cache is not None and "full_attention" in self.config.layer_types \
-                else 0
+            # Measured on the first layer that caches keys: a layer without attention keeps no sequence.
+            layer_types = self.config.layer_types
+            past_seen = cache.get_seq_length(layer_types.index("full_attention")) \
+                if cache is not None and "full_attention" in layer_types else 0
             position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen).unsqueeze(0)
         if isinstance(attention_mask, dict):
             attention_mask = attention_mask.get("full_attention")
