@@ -42,6 +42,8 @@ from mlxkit.engines.puzzle.library_pricing import (LibraryCosts, library_problem
                                                    solution_block_choices, stored_costs)
 from mlxkit.engines.puzzle.library_schema import BlockLibrary
 from mlxkit.engines.puzzle.mip import SearchProblem, Solution, Solver, sweep_batch_sizes
+from mlxkit.engines.training.device import Placement
+from mlxkit.engines.training.distributed import Distributed
 
 DEFAULT_THROUGHPUT = "1.5x"
 
@@ -155,7 +157,22 @@ def costs_only(model: str, target: str, scenario_text: str | None, recipe_name: 
 # --------------------------------------------------------------------------- the full search
 
 def run_search(options: SearchOptions, reporter: Reporter | None = None) -> dict[str, Any]:
-    reporter = reporter or Reporter()
+    """The whole search; under a launcher every rank runs it, and only rank 0 returns a result.
+
+    One process group serves every distributed stage (the library build, then GKD). The serial
+    stages (pricing, the MIP, assembly, evaluation, export) run on rank 0 while the other ranks
+    wait for it; rank 0 alone writes and reports, and the other ranks return `{}`.
+    """
+    placement = Placement.resolve(options.device, options.dtype)
+    dist = Distributed.from_env(placement.device)
+    try:
+        result = _search(options, reporter or Reporter(), dist, placement)
+        return result if dist.is_main else {}
+    finally:
+        dist.close()
+
+
+def _search(options: SearchOptions, reporter: Reporter, dist: Distributed, placement: Placement) -> dict[str, Any]:
     started = time.time()
     if options.out is not None and options.out.exists() and not options.overwrite:
         raise InputError(f"output '{options.out}' already exists (pass --overwrite to replace it)")
@@ -166,10 +183,34 @@ def run_search(options: SearchOptions, reporter: Reporter | None = None) -> dict
         reporter.notice(f"no budget given: searching for {DEFAULT_THROUGHPUT} the parent's throughput "
                         f"on {profile.name} ({scenario})")
 
-    library_path, library = _library(options, reporter)
+    library_path, library = _library(options, reporter, dist)
     if options.export is not None:
         library = _exportable_library(library, options.export, options.export_dtype, reporter)
     shape = library.parent.shape if library.parent is not None else None
+    result, choices, scenario = dist.broadcast_object(None, build=lambda: _shared_outcome(
+        lambda: _solve(options, library, library_path, shape, profile, scenario, budgets, defaulted)))
+    if isinstance(result, BaseException):
+        raise result
+    if library.has_trained_blocks and options.out is not None:
+        if options.gkd_tokens:
+            result.update(_build_and_distil(options, library_path, library, choices, result, profile, scenario,
+                                            started, reporter, dist, placement))
+        elif dist.is_main:
+            result.update(_build_child(options, library_path, library, choices, result, profile, scenario,
+                                       started, reporter, placement))
+        if options.export is not None and dist.is_main:
+            result["export"] = _export_child(Path(result["out"]), options, reporter)
+    elif options.out is not None and dist.is_main:
+        reporter.notice("an NVlabs/puzzle demo library has no trained blocks: the solution is reported, "
+                        "no checkpoint is written")
+    result["wall_time_s"] = round(time.time() - started, 1)
+    return result
+
+
+def _solve(options: SearchOptions, library: BlockLibrary, library_path: Path, shape: ParentShape | None,
+           profile: HardwareProfile, scenario: Scenario, budgets: Budgets,
+           defaulted: bool) -> tuple[dict[str, Any], list[BlockChoice], Scenario]:
+    """Price the library, solve the MIP and describe the best solution (rank 0's stage)."""
     stored = stored_costs(library) if options.costs == "library" else None
 
     def price(batch: int) -> LibraryCosts:
@@ -217,20 +258,15 @@ def run_search(options: SearchOptions, reporter: Reporter | None = None) -> dict
     }
     if sweep_report is not None:
         result["batch_sweep"] = sweep_report
-    if library.has_trained_blocks and options.out is not None:
-        if options.gkd_tokens:
-            result.update(_build_and_distil(options, library_path, library, choices, result, profile, scenario,
-                                            started, reporter))
-        else:
-            result.update(_build_child(options, library_path, library, choices, result, profile, scenario,
-                                       started, reporter))
-        if options.export is not None:
-            result["export"] = _export_child(Path(result["out"]), options, reporter)
-    elif options.out is not None:
-        reporter.notice("an NVlabs/puzzle demo library has no trained blocks: the solution is reported, "
-                        "no checkpoint is written")
-    result["wall_time_s"] = round(time.time() - started, 1)
-    return result
+    return result, choices, scenario
+
+
+def _shared_outcome(stage):
+    """`stage()`'s result, or the error it raised, so that rank 0 can hand either to the other ranks."""
+    try:
+        return stage()
+    except Exception as exc:  # noqa: BLE001 - re-raised on every rank by the caller
+        return exc, None, None
 
 
 def search_frontier(options: SearchOptions, throughputs: list[str], reporter: Reporter | None = None) -> dict[str, Any]:
@@ -247,6 +283,8 @@ def search_frontier(options: SearchOptions, throughputs: list[str], reporter: Re
         except InfeasibleError as exc:
             rows.append({"throughput": throughput, "infeasible": str(exc)})
             continue
+        if not result:
+            return {}  # a rank other than 0: rank 0 reports
         predicted = result["predicted"]
         rows.append({"throughput": throughput, "speedup": predicted["speedup"], "memory_mib": predicted["memory_mib"],
                      "num_params": predicted["num_params"], "objective": result["objective"],
@@ -254,13 +292,14 @@ def search_frontier(options: SearchOptions, throughputs: list[str], reporter: Re
     return {"target": options.target, "frontier": rows}
 
 
-def _library(options: SearchOptions, reporter: Reporter) -> tuple[Path, BlockLibrary]:
+def _library(options: SearchOptions, reporter: Reporter, dist: Distributed) -> tuple[Path, BlockLibrary]:
     if options.library is not None:
         if not options.library.exists():
             raise InputError(f"library '{options.library}' does not exist")
         return options.library, read_library(options.library)
     path = ensure_library(options.model, options.recipe or "quick", data=options.data, seed=options.seed,
                           allow_pickle=options.allow_pickle, reporter=reporter)
+    dist.barrier()  # rank 0 writes the library's index after the other ranks are done
     return path, read_library(path)
 
 
@@ -330,8 +369,12 @@ def search_work_dir(out: Path) -> Path:
 
 def _build_and_distil(options: SearchOptions, library_path: Path, library: BlockLibrary,
                       choices: list[BlockChoice], result: dict[str, Any], profile: HardwareProfile,
-                      scenario: Scenario, started: float, reporter: Reporter) -> dict[str, Any]:
-    """Assemble the child (or reuse the one a previous run assembled for the same choices), then GKD it."""
+                      scenario: Scenario, started: float, reporter: Reporter, dist: Distributed,
+                      placement: Placement) -> dict[str, Any]:
+    """Assemble the child (or reuse the one a previous run assembled for the same choices), then GKD it.
+
+    Rank 0 assembles and stages the child while the other ranks wait; then every rank takes part in GKD.
+    """
     import json
     import shutil
 
@@ -343,18 +386,20 @@ def _build_and_distil(options: SearchOptions, library_path: Path, library: Block
     staged = search_work_dir(options.out) / "child-before-gkd"
     manifest_file = staged / "mlxkit.json"
     before: dict[str, Any] | None = None
-    if manifest_file.exists():
-        recorded = json.loads(manifest_file.read_text())["results"]
-        if recorded.get("choices") == result["choices"]:
-            before = {"out": str(staged), "num_params": recorded.get("num_params"),
-                      "evaluation": recorded.get("evaluation")}
-            reporter.notice(f"reusing the child assembled by an earlier run at {staged}")
-    if before is None:
-        from mlxkit.engines.distill.trainer import work_dir_for
+    if dist.is_main:
+        if manifest_file.exists():
+            recorded = json.loads(manifest_file.read_text())["results"]
+            if recorded.get("choices") == result["choices"]:
+                before = {"out": str(staged), "num_params": recorded.get("num_params"),
+                          "evaluation": recorded.get("evaluation")}
+                reporter.notice(f"reusing the child assembled by an earlier run at {staged}")
+        if before is None:
+            from mlxkit.engines.distill.trainer import work_dir_for
 
-        shutil.rmtree(work_dir_for(options.out), ignore_errors=True)  # a distillation of another child
-        before = _build_child(replace(options, out=staged, overwrite=True), library_path, library, choices, result,
-                              profile, scenario, started, reporter)
+            shutil.rmtree(work_dir_for(options.out), ignore_errors=True)  # a distillation of another child
+            before = _build_child(replace(options, out=staged, overwrite=True), library_path, library, choices,
+                                  result, profile, scenario, started, reporter, placement)
+    before = dist.broadcast_object(before)
     search_stages = {"library": str(library_path), "target": profile.name, "scenario": scenario.to_dict(),
                      "budgets": result["budgets"], "caps": result["caps"], "mip": {
                          "objective": result["objective"], "status": result["status"],
@@ -366,7 +411,10 @@ def _build_and_distil(options: SearchOptions, library_path: Path, library: Block
     summary = run_distillation(DistillationOptions(
         mode="gkd", teacher=library.parent.spec, student=str(staged), out=options.out, recipe=recipe,
         data=options.data, tokens=options.gkd_tokens, seed=options.seed, overwrite=options.overwrite,
-        allow_pickle=options.allow_pickle, manifest_extra={"search": search_stages}), reporter)
+        allow_pickle=options.allow_pickle, device=options.device, dtype=options.dtype, save_dtype=options.save_dtype,
+        manifest_extra={"search": search_stages}), reporter)
+    if not dist.is_main:
+        return {}
     shutil.rmtree(search_work_dir(options.out), ignore_errors=True)
     return {"out": summary["out"], "num_params": before["num_params"], "evaluation": before["evaluation"],
             "gkd": {k: v for k, v in summary.items() if k != "out"}}
@@ -374,17 +422,20 @@ def _build_and_distil(options: SearchOptions, library_path: Path, library: Block
 
 def _build_child(options: SearchOptions, library_path: Path, library: BlockLibrary, choices: list[BlockChoice],
                  result: dict[str, Any], profile: HardwareProfile, scenario: Scenario, started: float,
-                 reporter: Reporter) -> dict[str, Any]:
+                 reporter: Reporter, placement: Placement) -> dict[str, Any]:
     from mlxkit.engines.eval.language_model import evaluate
     from mlxkit.engines.models.decilm.convert import from_parent
-    from mlxkit.engines.models.loading import load_model
+    from mlxkit.engines.models.loading import load_model, source_dtype
     from mlxkit.engines.models.saving import save_model
     from mlxkit.engines.puzzle.assemble import assemble_child
 
     assert library.parent is not None  # has_trained_blocks
     root = LibraryDir(library_path if library_path.is_dir() else library_path.parent)
     parent_spec = library.parent.spec
-    loaded = load_model(parent_spec, allow_pickle=options.allow_pickle, reporter=reporter)
+    # Assembly and evaluation only run forwards: the parent is read into the compute dtype on the device.
+    loaded = load_model(parent_spec, dtype=placement.dtype, device=placement.device, allow_pickle=options.allow_pickle,
+                        reporter=reporter)
+    save_dtype = placement.save_dtype(source_dtype(loaded.source), options.save_dtype)
     parent = from_parent(loaded.model)
     parent.config._attn_implementation = "sdpa"
     child = assemble_child(parent, root, choices)
@@ -393,7 +444,7 @@ def _build_child(options: SearchOptions, library_path: Path, library: BlockLibra
     tokens_file = root.work / "tokens.pt"
     evaluation: dict[str, Any] = {}
     if tokens_file.exists():
-        val = torch.load(tokens_file, weights_only=True)["val"][: options.eval_sequences]
+        val = torch.load(tokens_file, weights_only=True)["val"][: options.eval_sequences].to(placement.device)
         with reporter.task("evaluating child against parent on held-out tokens"):
             child_eval = evaluate(child, val, reference=parent)
             parent_eval = evaluate(parent, val)
@@ -410,5 +461,5 @@ def _build_child(options: SearchOptions, library_path: Path, library: BlockLibra
     manifest.results = {"objective": result["objective"], "predicted": result["predicted"],
                         "choices": result["choices"], "evaluation": evaluation, "num_params": n_params}
     child.generation_config = loaded.model.generation_config
-    out = save_model(child, loaded.tokenizer, options.out, manifest, overwrite=options.overwrite)
+    out = save_model(child, loaded.tokenizer, options.out, manifest, overwrite=options.overwrite, dtype=save_dtype)
     return {"out": str(out), "num_params": n_params, "evaluation": evaluation}

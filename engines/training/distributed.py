@@ -120,10 +120,7 @@ class Distributed:
             group = [t for t in tensors if t.dtype == dtype]
             flat = torch.cat([t.reshape(-1).to(self.device) for t in group])
             dist.all_reduce(flat)
-            offset = 0
-            for t in group:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
+            copy_back(flat, group)
 
     def broadcast_object(self, value: T | None, build: Callable[[], T] | None = None) -> T:
         """Rank 0's `value` (or what `build()` returns there) on every rank."""
@@ -153,6 +150,14 @@ class Distributed:
             self.barrier()
             dist.destroy_process_group()
             self.initialised_here = False
+
+
+def copy_back(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """Write consecutive slices of `flat` back into `tensors`, whatever device each is on."""
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
 
 
 def _collective_device(backend: str, device: torch.device) -> torch.device:
