@@ -1,17 +1,25 @@
-"""Shared option types and output helpers for every verb."""
+"""Shared option types and output helpers for every verb.
+
+Every verb ends the same way: `Output(json_out, quiet, verbose)` gives the progress reporter and
+then either prints the one `--json` object or hands the result to the verb's renderer. Verbs that
+compute take `DeviceOpt` and `DtypeOpt` (and `SaveDtypeOpt` when they write model weights), and
+check them with `check_placement` before any model loads.
+"""
 
 from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, Callable, Optional
 
 import typer
 from rich.console import Console
 
 from mlxkit.cli._errors import fail
 from mlxkit.engines.core.progress import Reporter, RichReporter
+from mlxkit.engines.training.device import DEVICE_HELP, DTYPE_HELP, SAVE_DTYPE_HELP
 
 ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Model: HF directory, .gguf file, hub id, or 'smollm2-135m'.")]
 DataOpt = Annotated[Optional[Path], typer.Option("--data", help="Text: .txt, .jsonl (with --text-field) or a directory of .txt files. Default: text sampled from the model.")]
@@ -23,6 +31,21 @@ VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="More detail o
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace an existing output.")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Random seed.")]
 AllowPickleOpt = Annotated[bool, typer.Option("--allow-pickle", help="Allow loading pickle (.bin) weights. Only for checkpoints you trust.")]
+
+DeviceOpt = Annotated[str, typer.Option("--device", help=DEVICE_HELP, metavar="auto|cpu|cuda|cuda:N")]
+DtypeOpt = Annotated[str, typer.Option("--dtype", help=DTYPE_HELP, metavar="auto|float32|bfloat16|float16")]
+SaveDtypeOpt = Annotated[Optional[str], typer.Option("--save-dtype", help=SAVE_DTYPE_HELP,
+                                                     metavar="float32|bfloat16|float16")]
+
+SET_HELP = "Override a recipe field, key=value (repeatable), e.g. --set optim.lr=3e-4."
+
+
+def set_option(*aliases: str, help: str = SET_HELP) -> Any:
+    """The repeatable `--set key=value` option, with older spellings kept as `aliases`."""
+    return Annotated[list[str], typer.Option("--set", *aliases, help=help, metavar="KEY=VALUE")]
+
+
+SetOpt = set_option()
 
 console = Console()
 
@@ -40,17 +63,71 @@ def emit_json(payload: Any) -> None:
     sys.stdout.flush()
 
 
+@dataclass
+class Output:
+    """How a verb reports: progress on stderr, then one JSON object or its own rendering on stdout."""
+
+    json: bool = False
+    quiet: bool = False
+    verbose: bool = False
+    reporter: Reporter = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.reporter = make_reporter(self.json, self.quiet, self.verbose)
+
+    def emit(self, result: Any, render: Optional[Callable[[Any], None]] = None) -> None:
+        """`--json`: print `result` as the one JSON object; otherwise `render(result)` when given."""
+        if self.json:
+            emit_json(result)
+        elif render is not None:
+            render(result)
+
+
+def check_placement(device: str, dtype: Optional[str] = "auto", save_dtype: Optional[str] = None) -> None:
+    """Refuse an unknown or unavailable `--device`/`--dtype`/`--save-dtype` before any work starts.
+
+    The engines resolve the same strings again in each process (under torchrun each rank has its
+    own GPU); this call only makes a bad value fail at once, with one line and its exit code.
+    """
+    from mlxkit.engines.training.device import resolve_device, resolve_dtype
+
+    resolved = resolve_device(device)
+    if dtype is not None:
+        resolve_dtype(dtype, resolved)
+    if save_dtype is not None and save_dtype.strip().lower() not in ("", "auto"):
+        resolve_dtype(save_dtype, resolved)
+
+
+def canonical_dtype(spec: Optional[str]) -> Optional[str]:
+    """A dtype flag's full torch name (`bf16` → `bfloat16`); None for no value or `auto`."""
+    if spec is None or spec.strip().lower() in ("", "auto"):
+        return None
+    import torch
+
+    from mlxkit.engines.training.device import dtype_name, resolve_dtype
+
+    return dtype_name(resolve_dtype(spec, torch.device("cpu")))
+
+
+def check_pairs(pairs: list[str], flag: str = "--set") -> list[tuple[str, str]]:
+    """`key=value` strings split into (key, raw value); anything else is a usage error."""
+    split = []
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            raise fail(f"{flag} takes key=value (got '{pair}')")
+        split.append((key.strip(), raw))
+    return split
+
+
 def parse_overrides(pairs: list[str]) -> dict[str, object]:
     """`--set optim.lr=3e-4` → {"optim.lr": 0.0003}; values are read as YAML scalars."""
     import yaml
 
     overrides: dict[str, object] = {}
-    for pair in pairs:
-        key, sep, raw = pair.partition("=")
-        if not sep or not key.strip():
-            raise fail(f"--set takes key=value (got '{pair}')")
+    for key, raw in check_pairs(pairs):
         try:
-            overrides[key.strip()] = yaml.safe_load(raw)
+            overrides[key] = yaml.safe_load(raw)
         except yaml.YAMLError:
-            raise fail(f"--set {key.strip()}: cannot read the value '{raw}'") from None
+            raise fail(f"--set {key}: cannot read the value '{raw}'") from None
     return overrides
