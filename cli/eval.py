@@ -8,8 +8,8 @@ import typer
 from rich.table import Table
 
 from mlxkit.cli._errors import guarded
-from mlxkit.cli._options import (AllowPickleOpt, DataOpt, JsonOpt, QuietOpt, SeedOpt, TextFieldOpt, VerboseOpt,
-                                 console, emit_json, make_reporter)
+from mlxkit.cli._options import (AllowPickleOpt, DataOpt, DeviceOpt, DtypeOpt, JsonOpt, Output, QuietOpt, SeedOpt,
+                                 TextFieldOpt, VerboseOpt, check_placement, console)
 
 
 @guarded
@@ -19,6 +19,8 @@ def eval_command(
     reference: Annotated[Optional[str], typer.Option("--reference", help="Reference model for KL and top-1 agreement.")] = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=2, help="Tokens of the data to evaluate on.")] = 8192,
     seq_len: Annotated[int, typer.Option("--seq-len", min=2, help="Sequence length of each evaluated window.")] = 512,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
     text_field: TextFieldOpt = "text",
     seed: SeedOpt = 0,
     allow_pickle: AllowPickleOpt = False,
@@ -28,12 +30,15 @@ def eval_command(
 ) -> None:
     from mlxkit.engines.eval.runner import run_eval
 
-    reporter = make_reporter(json_out, quiet, verbose)
+    check_placement(device, dtype)
+    output = Output(json_out, quiet, verbose)
     result = run_eval(model, data=data, reference=reference, max_tokens=max_tokens, seq_len=seq_len,
-                      text_field=text_field, seed=seed, allow_pickle=allow_pickle, reporter=reporter)
-    if json_out:
-        emit_json(result)
-        return
+                      text_field=text_field, seed=seed, allow_pickle=allow_pickle, device=device, dtype=dtype,
+                      reporter=output.reporter)
+    output.emit(result, lambda r: _render(model, r, quiet))
+
+
+def _render(model: str, result: dict, quiet: bool) -> None:
     if quiet:
         console.print(f"{result['perplexity']:.4f}")
         return
@@ -41,7 +46,7 @@ def eval_command(
     table.add_row("data", result["data"])
     table.add_row("perplexity", f"{result['perplexity']:.4f}")
     table.add_row("tokens", f"{result['tokens']:,} ({result['sequences']} x {result['seq_len']})")
-    table.add_row("tokens/s", f"{result['tokens_per_s']:,.0f}")
+    table.add_row("tokens/s", f"{result['tokens_per_s']:,.0f} ({result['device']}, {result['dtype']})")
     if "kl_div" in result:
         table.add_row("KL(reference || model)", f"{result['kl_div']:.5f}")
         table.add_row("top-1 agreement", f"{result['top1_agreement']:.4f}")

@@ -13,6 +13,7 @@ import torch
 from mlxkit.engines.core.progress import Reporter
 from mlxkit.engines.errors import InputError
 from mlxkit.engines.eval.metrics import TokenMetrics
+from mlxkit.engines.training.device import module_device
 
 TOKENS_PER_BATCH = 4096  # bounds the [batch, seq, vocab] logits held at once
 
@@ -34,12 +35,16 @@ class EvalResult:
 
 
 def _logits(model, ids: torch.Tensor) -> torch.Tensor:
-    return model(input_ids=ids, use_cache=False).logits
+    """Logits for `ids`, which are moved to the model's device first (the metrics upcast them to float32)."""
+    return model(input_ids=ids.to(module_device(model)), use_cache=False).logits
 
 
 @torch.inference_mode()
 def evaluate(model, blocks: torch.Tensor, reference=None, reporter: Reporter | None = None) -> EvalResult:
     """NLL, perplexity and (with a `reference`) KL(reference || model) and top-1 agreement on `blocks` [n, seq_len].
+
+    Each batch of `blocks` is moved to the model's device; the models may be held in a low-precision
+    dtype, while log-softmax, NLL and KL are computed in float32 (`metrics.TokenMetrics`).
 
     Raises `InputError` when the model's outputs are not finite (NaN weights, overflow):
     a perplexity of NaN is not a result. tokens/s counts the evaluated model's forward passes only.
@@ -48,15 +53,18 @@ def evaluate(model, blocks: torch.Tensor, reference=None, reporter: Reporter | N
     n, seq_len = blocks.shape
     batch = max(1, TOKENS_PER_BATCH // seq_len)
     metrics = TokenMetrics()
+    device = module_device(model)
     model_seconds = 0.0
     batches = range(0, n, batch)
     with reporter.task("evaluating", total=len(batches)) as task:
         for first in batches:
-            ids = blocks[first:first + batch]
+            ids = blocks[first:first + batch].to(device)
             start = time.perf_counter()
             logits = _logits(model, ids)
+            if device.type == "cuda":  # kernels run asynchronously: time the forward, not its launch
+                torch.cuda.synchronize(device)
             model_seconds += time.perf_counter() - start
-            reference_logits = _logits(reference, ids) if reference is not None else None
+            reference_logits = _logits(reference, ids).to(device) if reference is not None else None
             metrics.update(logits, ids, reference_logits)
             task.advance()
             task.update(ppl=metrics.perplexity)
