@@ -1,7 +1,7 @@
 """Merge fine-tuned models: isotropic merging (Iso-C, Iso-CTS) and the standard baselines.
 
 Examples: `mlx merge --isotropic ft-a ft-b ft-c --base base -o merged`,
-`mlx merge --method ties a b --base base --param density=0.3 -o out`, `mlx merge --recipe merge.yaml -o out`.
+`mlx merge --method ties a b --base base --set density=0.3 -o out`, `mlx merge --recipe merge.yaml -o out`.
 """
 
 from __future__ import annotations
@@ -13,30 +13,32 @@ import typer
 from rich.table import Table
 
 from mlxkit.cli._errors import guarded
-from mlxkit.cli._options import (JsonOpt, OverwriteOpt, QuietOpt, RecipeOpt, VerboseOpt, console, emit_json,
-                                 make_reporter)
+from mlxkit.cli._options import (DeviceOpt, JsonOpt, Output, OverwriteOpt, QuietOpt, RecipeOpt, VerboseOpt,
+                                 canonical_dtype, check_pairs, check_placement, console, set_option)
 from mlxkit.engines.core.sizes import SIZE_HELP
 from mlxkit.engines.merge.params import ALPHA
 
 Opt = typer.Option
+ParamOpt = set_option("--param", help="Method parameter key=value (repeatable), e.g. density=0.3; each is checked "
+                                      "against its method's type and range. --param is the older spelling.")
 
 
 @guarded
 def merge_command(
     models: Annotated[Optional[list[str]], typer.Argument(help="Fine-tuned models: HF dirs, hub ids or LoRA adapter dirs.")] = None,
     base: Annotated[Optional[str], Opt("--base", help="Base model (inferred from adapters / model cards if omitted).")] = None,
-    output: Annotated[Optional[Path], Opt("--output", "-o", help="Output directory.")] = None,
+    out: Annotated[Optional[Path], Opt("--out", "-o", "--output", help="Output directory (--output is the older spelling).")] = None,
     method: Annotated[Optional[str], Opt("--method", help="iso-c|iso-cts|task-arithmetic|ties|dare-ties|dare-linear|linear|slerp")] = None,
     isotropic: Annotated[bool, Opt("--isotropic", help="Iso-CTS, the paper's best (same as --method iso-cts).")] = False,
     recipe: RecipeOpt = None,
     alpha: Annotated[Optional[str], Opt("--alpha", help=f"Scale of the merged task vector: {ALPHA.valid_values()}, or 'auto'.")] = None,
     eval_data: Annotated[Optional[list[str]], Opt("--eval-data", help="Validation text per model (for --alpha auto), in model order.")] = None,
     common_frac: Annotated[Optional[str], Opt("--common-frac", help="Iso-CTS common-subspace fraction, a number in (0, 1] (default 0.8).")] = None,
-    param: Annotated[Optional[list[str]], Opt("--param", help="Method parameter key=value (repeatable), e.g. density=0.3; each is checked against its method's type and range.")] = None,
+    params: ParamOpt = [],
     average_embeddings: Annotated[Optional[bool], Opt("--average-embeddings/--matrix-embeddings", help="Average embeddings and LM head (default) or treat them as matrices.")] = None,
-    dtype: Annotated[Optional[str], Opt("--dtype", help="Output dtype (default: the inputs').")] = None,
+    dtype: Annotated[Optional[str], Opt("--dtype", "--save-dtype", metavar="auto|float32|bfloat16|float16", help="dtype of the merged weights: float32, bfloat16 or float16 (default, auto: the inputs'). The merge arithmetic always runs in float32, so for merge --dtype and --save-dtype are one option and name the output.")] = None,
     max_shard_size: Annotated[Optional[str], Opt("--max-shard-size", help=f"Largest output shard: {SIZE_HELP}; e.g. 2GB = 2,000,000,000 bytes, 2GiB = 2,147,483,648 (default 5GB).")] = None,
-    device: Annotated[str, Opt("--device", help="Compute device: auto, cpu, cuda.")] = "auto",
+    device: DeviceOpt = "auto",
     seed: Annotated[Optional[int], Opt("--seed", help="Seed for DARE and randomized SVDs.")] = None,
     dry_run: Annotated[bool, Opt("--dry-run", help="Print the per-tensor plan; read no weights.")] = False,
     overwrite: OverwriteOpt = False,
@@ -47,24 +49,30 @@ def merge_command(
     from mlxkit.engines.merge.config import config_from_options
     from mlxkit.engines.merge.run import run_merge
 
+    check_placement(device, dtype=None, save_dtype=dtype)
+    check_pairs(params)
+    output = Output(json_out, quiet, verbose)
+    out_dtype = canonical_dtype(dtype)
     config = config_from_options(models=models or [], recipe=recipe, base=base, method=method, isotropic=isotropic,
-                                 alpha=alpha, eval_data=eval_data or [], common_frac=common_frac, params=param or [],
-                                 average_embeddings=average_embeddings, dtype=dtype, max_shard_size=max_shard_size,
-                                 seed=seed)
-    result = run_merge(config, output, overwrite=overwrite, dry_run=dry_run, device=device,
-                       reporter=make_reporter(json_out, quiet, verbose))
-    if json_out:
-        emit_json(result)
-    elif dry_run:
-        for line in result["plan"]:
-            console.print(line, highlight=False, soft_wrap=True)
-        console.print(f"{result['tensors']} tensors ({result['matrices']} as matrices), method {result['method']}, "
-                      f"peak ≈ {result['estimated_peak_bytes'] / 2**20:.0f} MiB", highlight=False)
-    elif not quiet:
-        table = Table(title=f"mlx merge ({result['method']})", show_header=False)
-        for key in ("output", "base", "alpha", "tensors", "shards", "wall_time_s"):
-            table.add_row(key, str(result.get(key)))
-        for point in result.get("alpha_curve", []):
-            loss = point["mean_loss"]
-            table.add_row(f"α={point['alpha']:g}", "loss not finite" if loss is None else f"mean loss {loss:.4f}")
-        console.print(table)
+                                 alpha=alpha, eval_data=eval_data or [], common_frac=common_frac, params=params,
+                                 average_embeddings=average_embeddings, dtype=out_dtype,
+                                 max_shard_size=max_shard_size, seed=seed)
+    result = run_merge(config, out, overwrite=overwrite, dry_run=dry_run, device=device, reporter=output.reporter)
+    output.emit(result, _render_plan if dry_run else (None if quiet else _render))
+
+
+def _render_plan(result: dict) -> None:
+    for line in result["plan"]:
+        console.print(line, highlight=False, soft_wrap=True)
+    console.print(f"{result['tensors']} tensors ({result['matrices']} as matrices), method {result['method']}, "
+                  f"peak ≈ {result['estimated_peak_bytes'] / 2**20:.0f} MiB", highlight=False)
+
+
+def _render(result: dict) -> None:
+    table = Table(title=f"mlx merge ({result['method']})", show_header=False)
+    for key in ("output", "base", "alpha", "tensors", "shards", "device", "wall_time_s"):
+        table.add_row(key, str(result.get(key)))
+    for point in result.get("alpha_curve", []):
+        loss = point["mean_loss"]
+        table.add_row(f"α={point['alpha']:g}", "loss not finite" if loss is None else f"mean loss {loss:.4f}")
+    console.print(table)

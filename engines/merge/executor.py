@@ -13,23 +13,11 @@ from typing import Iterator, Optional
 import torch
 
 from mlxkit.engines.core.progress import Reporter
-from mlxkit.engines.errors import BackendError, InputError
+from mlxkit.engines.errors import InputError
 from mlxkit.engines.io.tensor_writer import TensorWriter
 from mlxkit.engines.merge.methods.base import MergeMethod, TensorJob
 from mlxkit.engines.merge.plan import MergePlan, TensorTask
 from mlxkit.engines.merge.sources import MergeInput
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except RuntimeError:
-        raise InputError(f"unknown device '{device}' (use auto, cpu, cuda or cuda:N)") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise BackendError(f"device '{device}' was asked for, but torch sees no CUDA device")
-    return dev
 
 
 class NonFiniteTensorError(InputError):

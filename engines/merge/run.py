@@ -19,10 +19,11 @@ from mlxkit.engines.core.sizes import parse_bytes
 from mlxkit.engines.errors import InputError
 from mlxkit.engines.io.tensor_writer import TensorWriter
 from mlxkit.engines.merge.config import MergeConfig
-from mlxkit.engines.merge.executor import combine, resolve_device, write_merged
+from mlxkit.engines.merge.executor import combine, write_merged
 from mlxkit.engines.merge.methods import registry
 from mlxkit.engines.merge.plan import MergePlan, plan_merge
 from mlxkit.engines.merge.sources import MergeInput, infer_base, resolve_input
+from mlxkit.engines.training.device import resolve_device
 
 # Files copied verbatim from the base (or first) model next to the merged weights.
 _TAG_ALONG = ["generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -45,15 +46,18 @@ def prepare(config: MergeConfig, reporter: Reporter) -> tuple[MergePlan, list[Me
 
 def run_merge(config: MergeConfig, out: Optional[str | Path], *, overwrite: bool = False, dry_run: bool = False,
               device: str = "auto", reporter: Optional[Reporter] = None) -> dict[str, Any]:
+    """Merge, or with `dry_run` return the plan. `device` is where each tensor's arithmetic runs
+    (`auto | cpu | cuda | cuda:N`, checked before any input is opened); it always runs in float32,
+    and the result is written in `config.out_dtype` (default: the inputs' dtype)."""
     reporter = reporter or Reporter()
     started = time.perf_counter()
     method = registry.get(config.merge_method)
     if not dry_run and out is None:
         raise InputError("pass an output directory (-o OUT)")
+    dev = None if dry_run else resolve_device(device)
     plan, inputs, base = prepare(config, reporter)
-    if dry_run:
+    if dev is None:
         return {"dry_run": True, **plan.summary(), "plan": [t.describe() for t in plan.tasks]}
-    dev = resolve_device(device)
     max_shard = parse_bytes(config.max_shard_size, "max_shard_size")
     reporter.notice(f"{plan.method}: {len(inputs)} models, {len(plan.tasks)} tensors "
                     f"({sum(t.matrix for t in plan.tasks)} as matrices), device {dev}")
@@ -64,7 +68,7 @@ def run_merge(config: MergeConfig, out: Optional[str | Path], *, overwrite: bool
         manifest.add_input(f"model_{i}", inp.spec, inp.path)
     manifest.seeds["merge"] = config.seed
     manifest.settings = config.model_dump(mode="json")
-    result: dict[str, Any] = {"method": plan.method, "models": plan.models, "base": plan.base}
+    result: dict[str, Any] = {"method": plan.method, "models": plan.models, "base": plan.base, "device": str(dev)}
     try:
         with atomic_output_dir(out, overwrite=overwrite) as tmp:
             if config.alpha == "auto":
