@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from mlxkit.cli._errors import guarded
-from mlxkit.cli._options import JsonOpt, OverwriteOpt, QuietOpt, VerboseOpt, console, emit_json, make_reporter
+from mlxkit.cli._options import JsonOpt, Output, OverwriteOpt, QuietOpt, VerboseOpt, check_placement, console
 
 
 @guarded
@@ -20,8 +20,14 @@ def solve_command(
     grid: Annotated[Optional[str], typer.Option("--grid", help="Grid shape HxW (default: grid_shape key or inferred).")] = None,
     method: Annotated[str, typer.Option("--method", help="auto | ssi | superlu | pardiso.")] = "auto",
     nullspace: Annotated[str, typer.Option("--nullspace", help="none | constant (mean-zero solution of A1=0 systems).")] = "none",
-    dtype: Annotated[str, typer.Option("--dtype", help="SSI precision: float64 | float32.")] = "float64",
+    dtype: Annotated[str, typer.Option("--dtype", help="SSI working precision: float64 | float32 (not the "
+                                                       "model-compute dtype of the other verbs; the sparse "
+                                                       "direct solvers always use float64).")] = "float64",
     leaf: Annotated[int, typer.Option("--leaf", min=1, help="Minimum cells per SSI leaf-patch side.")] = 4,
+    device: Annotated[str, typer.Option("--device", help="Where SSI factorises and solves: auto (CUDA when "
+                                                         "available, else CPU), cpu, cuda or cuda:N. The sparse "
+                                                         "direct solvers run on the CPU.",
+                                        metavar="auto|cpu|cuda|cuda:N")] = "auto",
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write x and the report to this .npz.")] = None,
     overwrite: OverwriteOpt = False,
     json_out: JsonOpt = False,
@@ -31,18 +37,21 @@ def solve_command(
     from mlxkit.engines.core.memory import keep_freed_memory
     from mlxkit.engines.solve.runner import run_solve
 
+    check_placement(device, dtype=None)
     keep_freed_memory()  # this process is ours: reuse freed pages across elimination levels
-    reporter = make_reporter(json_out, quiet, verbose)
+    output = Output(json_out, quiet, verbose)
     report, _ = run_solve(file, rhs=rhs, grid=grid, method=method, nullspace=nullspace, dtype=dtype, leaf=leaf,
-                          out=out, overwrite=overwrite, reporter=reporter)
-    if json_out:
-        emit_json(report)
-        return
+                          out=out, overwrite=overwrite, device=device, reporter=output.reporter)
+    output.emit(report, lambda r: _render(file, out, r, quiet))
+
+
+def _render(file: Path, out: Optional[Path], report: dict, quiet: bool) -> None:
     if quiet:
         console.print(f"{report['residual']:.3e}")
         return
     table = Table(title=f"mlx solve {file}", show_header=False)
-    table.add_row("method", report["method"] + (f" ({report['dtype']})" if report["method"] == "ssi" else ""))
+    table.add_row("method", report["method"] + (f" ({report['dtype']}, {report['device']})"
+                                                if report["method"] == "ssi" else ""))
     grid_text = "x".join(map(str, report["grid"])) if report["grid"] else "none"
     table.add_row("unknowns", f"{report['unknowns']:,} (grid {grid_text}, {report['systems']} system(s), "
                               f"{report['rhs_columns']} rhs column(s))")

@@ -27,6 +27,7 @@ from mlxkit.engines.solve.fallback import SparseDirect
 from mlxkit.engines.solve.grid import csr_to_stencil, fits_grid
 from mlxkit.engines.solve.ssi import SolverWarning, SSIFactor
 from mlxkit.engines.solve.validate import as_csr, grid_shape as check_grid_shape, rhs_matrix
+from mlxkit.engines.training.device import resolve_device
 
 __all__ = ["Factorized", "SolveOptions", "factorized", "spsolve"]
 
@@ -37,6 +38,7 @@ RESIDUAL_LIMIT = {"float64": 1e-6, "float32": 1e-2}
 
 # Solves right-hand sides [B, N, C] of B systems at once, plain (False) or transposed (True).
 BatchSolve = Callable[[np.ndarray, bool], np.ndarray]
+SSIBatchSolve = Callable[["np.ndarray | torch.Tensor", bool], "np.ndarray | torch.Tensor"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,9 @@ class SolveOptions:
         SSI working precision; the sparse direct solvers always work in float64.
     leaf : int >= 1
         Minimum cells per SSI leaf-patch side.
+    device : "cpu" | "cuda" | "cuda:N" | "auto"
+        Where SSI factorises and solves ("auto": CUDA when torch sees a GPU). The sparse direct
+        solvers run on the CPU whatever it is.
     check : bool
         Raise `SingularMatrixError` when a solve's relative residual exceeds `RESIDUAL_LIMIT`
         (one extra sparse product per solve).
@@ -58,6 +63,7 @@ class SolveOptions:
     dtype: str = "float64"
     leaf: int = 4
     check: bool = True
+    device: str | torch.device = "cpu"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -68,6 +74,9 @@ class SolveOptions:
             raise InputError(f"leaf must be an integer >= 1, got {self.leaf!r}")
         if not isinstance(self.check, (bool, np.bool_)):
             raise InputError(f"check must be True or False, got {self.check!r}")
+        if not isinstance(self.device, (str, torch.device)):
+            raise InputError(f"device must be 'cpu', 'cuda', 'cuda:N' or 'auto', got {self.device!r}")
+        resolve_device(str(self.device))  # an unknown or unavailable device fails before any work
 
     @classmethod
     def from_kwargs(cls, options: Mapping[str, Any]) -> SolveOptions:
@@ -78,14 +87,22 @@ class SolveOptions:
         return cls(**options)
 
 
-def ssi_batch_solver(stencil: np.ndarray, dtype: str, leaf: int) -> tuple[BatchSolve, SSIFactor]:
-    """Factorise stencils ``[B, H, W, 3, 3]`` with SSI; the solver maps [B, N, C] to float64 [B, N, C]."""
-    factor = SSIFactor(torch.from_numpy(stencil), dtype=getattr(torch, dtype), leaf=leaf)
+def ssi_batch_solver(stencil: np.ndarray, dtype: str, leaf: int,
+                     device: str | torch.device = "cpu") -> tuple[SSIBatchSolve, SSIFactor]:
+    """Factorise stencils ``[B, H, W, 3, 3]`` with SSI on `device`; the solver maps b [B, N, C] to x [B, N, C].
+
+    A NumPy `b` gives float64 NumPy `x` (the file and SciPy side); a tensor `b` gives `x` as a tensor
+    on the factor's device in its working dtype, so torch callers never pay a copy to the host.
+    """
+    factor = SSIFactor(torch.from_numpy(stencil), dtype=getattr(torch, dtype), leaf=leaf,
+                       device=resolve_device(str(device)))
     shape = stencil.shape[:3]
 
-    def solve(b: np.ndarray, transpose: bool) -> np.ndarray:
+    def solve(b: np.ndarray | torch.Tensor, transpose: bool) -> np.ndarray | torch.Tensor:
+        if isinstance(b, torch.Tensor):
+            return factor.solve(b.reshape(*shape, -1), transpose=transpose).reshape(b.shape)
         x = factor.solve(torch.from_numpy(b.reshape(*shape, -1)), transpose=transpose)
-        return x.to(torch.float64).numpy().reshape(b.shape)
+        return x.to("cpu", torch.float64).numpy().reshape(b.shape)
 
     return solve, factor
 
@@ -148,7 +165,9 @@ class Factorized:
     """A factorisation of one square matrix, computed once; call it for any number of right-hand sides.
 
     Build it with `factorized`. ``solve(b)`` takes ``b`` of shape ``[N]`` or ``[N, K]`` (K right-hand
-    sides solved together, as in SciPy) and returns float64 ``x`` of the same shape.
+    sides solved together, as in SciPy) and returns ``x`` of the same shape: float64 NumPy for an
+    array ``b``, and for a torch tensor ``b`` a tensor on the factorisation's device (SSI: in its
+    working dtype; the sparse direct solvers: float64 on ``b``'s device).
 
     Attributes
     ----------
@@ -158,6 +177,8 @@ class Factorized:
         The SSI grid (H, W).
     dtype : str
         Working precision of the factorisation.
+    device : torch.device
+        Where SSI factorised (the CPU for the sparse direct solvers).
     """
 
     def __init__(self, a: Any, grid_shape: Any = None, options: SolveOptions | None = None) -> None:
@@ -167,30 +188,61 @@ class Factorized:
         self.grid = choose_grid(self._a, grid_shape, options.method)
         self._check = bool(options.check)
         self._ssi: SSIFactor | None = None
+        device = resolve_device(str(options.device))
         if self.grid is not None:
             stencil = csr_to_stencil(self._a, *self.grid)[None]
-            self._solve, self._ssi = ssi_batch_solver(stencil, options.dtype, int(options.leaf))
-            self.method, self.dtype = "ssi", options.dtype
+            self._solve, self._ssi = ssi_batch_solver(stencil, options.dtype, int(options.leaf), device)
+            self.method, self.dtype, self.device = "ssi", options.dtype, device
         else:
             self._solve, self.method = sparse_batch_solver([self._a], options.method)
-            self.dtype = "float64"
+            self.dtype, self.device = "float64", torch.device("cpu")
             if options.dtype != "float64":
                 warnings.warn(f"dtype={options.dtype!r} applies to SSI only; {self.method} works in float64",
+                              SolverWarning, stacklevel=3)
+            if device.type != "cpu":
+                warnings.warn(f"device={options.device!r} applies to SSI only; {self.method} runs on the CPU",
                               SolverWarning, stacklevel=3)
 
     def solve(self, b: Any, transpose: bool = False) -> np.ndarray:
         """Solve ``A x = b`` (or ``A^T x = b``) for ``b`` ``[N]`` or ``[N, K]``; a sparse b is densified."""
         n = self.shape[0]
+        if isinstance(b, torch.Tensor):
+            return self._solve_tensor(b, bool(transpose))
         if sp.issparse(b):
             b = as_csr(b, "right-hand side", square=False).toarray()
         flat, shape = rhs_matrix(b, n)
         x = self._solve(flat[None], bool(transpose))
-        if self._check:
-            a = self._a.T.tocsr() if transpose else self._a
-            residual = relative_residuals([a], x, flat[None])[0]
-            if not residual <= RESIDUAL_LIMIT[self.dtype]:  # `not <=` so that NaN fails too
-                raise residual_error(residual, RESIDUAL_LIMIT[self.dtype])
+        self._check_residual(x, flat[None], bool(transpose))
         return x[0].reshape(shape)
+
+    def _solve_tensor(self, b: torch.Tensor, transpose: bool) -> torch.Tensor:
+        """The torch path of `solve`: x stays a tensor on the device; only the residual check visits SciPy."""
+        n = self.shape[0]
+        if b.is_complex() or b.dtype == torch.bool:
+            raise InputError(f"right-hand side must be real numbers, got dtype {b.dtype}")
+        if b.ndim not in (1, 2) or b.shape[0] != n or (b.ndim == 2 and b.shape[1] == 0):
+            raise InputError(f"right-hand side has shape {list(b.shape)} but the matrix has {n} rows "
+                             f"(expected [{n}] or [{n}, C])")
+        if b.is_floating_point() and not bool(torch.isfinite(b).all()):
+            raise InputError("right-hand side contains NaN or Inf")
+        flat = b.reshape(n, -1)
+        if self._ssi is not None:
+            x = self._solve(flat[None], transpose)
+        else:
+            host = self._solve(flat.detach().to("cpu", torch.float64).numpy()[None], transpose)
+            x = torch.from_numpy(host).to(b.device)
+        if self._check:
+            self._check_residual(x.detach().to("cpu", torch.float64).numpy(),
+                                 flat.detach().to("cpu", torch.float64).numpy()[None], transpose)
+        return x[0].reshape(b.shape)
+
+    def _check_residual(self, x: np.ndarray, b: np.ndarray, transpose: bool) -> None:
+        if not self._check:
+            return
+        a = self._a.T.tocsr() if transpose else self._a
+        residual = relative_residuals([a], x, b)[0]
+        if not residual <= RESIDUAL_LIMIT[self.dtype]:  # `not <=` so that NaN fails too
+            raise residual_error(residual, RESIDUAL_LIMIT[self.dtype])
 
     def __call__(self, b: Any) -> np.ndarray:
         return self.solve(b)
@@ -201,7 +253,9 @@ class Factorized:
 
     def __repr__(self) -> str:
         grid = f", grid={self.grid[0]}x{self.grid[1]}" if self.grid else ""
-        return f"Factorized({self.shape[0]}x{self.shape[1]}, method={self.method!r}, dtype={self.dtype!r}{grid})"
+        where = f", device='{self.device}'" if self.device.type != "cpu" else ""
+        return (f"Factorized({self.shape[0]}x{self.shape[1]}, method={self.method!r}, dtype={self.dtype!r}"
+                f"{grid}{where})")
 
 
 def factorized(A: Any, grid_shape: Any = None, **options: Any) -> Factorized:
@@ -215,12 +269,13 @@ def factorized(A: Any, grid_shape: Any = None, **options: Any) -> Factorized:
         The 2-D grid of a 9-point matrix, node (y, x) being unknown ``y * W + x``. Needed for SSI
         unless N is a perfect square and A fits the square grid.
     **options
-        See `SolveOptions`: ``method``, ``dtype``, ``leaf``, ``check``.
+        See `SolveOptions`: ``method``, ``dtype``, ``leaf``, ``check``, ``device``.
 
     Returns
     -------
     Factorized
         ``solve(b)`` for ``b`` ``[N]`` or ``[N, K]``; ``solve.solve(b, transpose=True)`` solves with A^T.
+        With ``device="cuda"``, pass ``b`` as a tensor to keep ``x`` on the GPU.
 
     Raises
     ------
@@ -229,6 +284,8 @@ def factorized(A: Any, grid_shape: Any = None, **options: Any) -> Factorized:
         without a grid (pass grid_shape, or method="superlu").
     SingularMatrixError
         A is singular to working precision (at factorisation, or when a solve fails the residual check).
+    BackendError
+        ``device`` names a CUDA device that torch cannot see.
 
     Examples
     --------

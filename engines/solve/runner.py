@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import scipy.sparse as sp
+import torch
 
 from mlxkit.engines.core.atomic import atomic_file
 from mlxkit.engines.core.progress import Reporter
@@ -18,6 +19,7 @@ from mlxkit.engines.solve.io import Problem, read_problem
 from mlxkit.engines.solve.matrix import (METHODS, RESIDUAL_LIMIT, relative_residuals, residual_error,
                                          sparse_batch_solver, ssi_batch_solver)
 from mlxkit.engines.solve.nullspace import ConstantNullspace, check_constant_nullspace, pin_value
+from mlxkit.engines.training.device import resolve_device
 
 
 def parse_grid(text: str | None) -> tuple[int, int] | None:
@@ -93,14 +95,17 @@ def _save(out: Path, x: np.ndarray, report: dict, overwrite: bool) -> None:
 
 def run_solve(path: str | os.PathLike, *, rhs: str | os.PathLike | None = None, grid: str | None = None,
               method: str = "auto", nullspace: str = "none", dtype: str = "float64", leaf: int = 4,
-              out: str | os.PathLike | None = None, overwrite: bool = False,
+              out: str | os.PathLike | None = None, overwrite: bool = False, device: str = "cpu",
               reporter: Reporter | None = None) -> tuple[dict, np.ndarray]:
     """Solve the system in `path`; returns (report, x) and writes `out` when given.
 
-    The report has the method, timings, grid, sizes and the relative residual ``||Ax - b|| / ||b||``
-    (the largest over the batch), which is always computed in float64.
+    SSI factorises and solves on `device` (`auto | cpu | cuda | cuda:N`); the sparse direct
+    solvers always run on the CPU. `x` comes back to the host once, for the residual check and
+    the file. The report has the method, device, timings, grid, sizes and the relative residual
+    ``||Ax - b|| / ||b||`` (the largest over the batch), which is always computed in float64.
     """
     reporter = reporter or Reporter()
+    compute = resolve_device(device)  # a missing GPU fails before the system is read
     if method not in METHODS:
         raise InputError(f"--method must be one of {', '.join(METHODS)}, got '{method}'")
     if nullspace not in ("none", "constant"):
@@ -125,12 +130,14 @@ def run_solve(path: str | os.PathLike, *, rhs: str | os.PathLike | None = None, 
     t0 = time.perf_counter()
     ssi = None
     if stencil is not None:
-        solve, ssi = ssi_batch_solver(stencil, dtype, leaf)
+        solve, ssi = ssi_batch_solver(stencil, dtype, leaf, compute)
         used = "ssi"
     else:
         solve, used = sparse_batch_solver(_matrices(problem), "auto" if method == "auto" else method)
         late = [f"using the general sparse direct solver ({used})"] if method == "auto" else []
         late += [f"{used} always works in float64"] if dtype != "float64" else []
+        late += [f"{used} runs on the CPU (--device {device} applies to SSI)"] if compute.type != "cpu" else []
+        compute = torch.device("cpu")
         for notice in late:
             reporter.notice(notice)
         notices += late
@@ -150,7 +157,7 @@ def run_solve(path: str | os.PathLike, *, rhs: str | os.PathLike | None = None, 
         hint = "" if nullspace == "constant" else "; for a pure-Neumann problem try --nullspace constant"
         raise residual_error(max(checked), limit, hint)
     report = {
-        "file": str(path), "method": used, "dtype": dtype if used == "ssi" else "float64",
+        "file": str(path), "method": used, "dtype": dtype if used == "ssi" else "float64", "device": str(compute),
         "unknowns": int(problem.b.shape[1]), "systems": int(problem.batch), "rhs_columns": int(problem.b.shape[2]),
         "grid": list(stencil.shape[1:3]) if stencil is not None else None,
         "residual": max(residuals), "residuals": residuals, "factor_s": factor_s, "solve_s": solve_s,
