@@ -9,7 +9,8 @@ import typer
 from rich.table import Table
 
 from mlxkit.cli._errors import fail, guarded
-from mlxkit.cli._options import JsonOpt, QuietOpt, SeedOpt, VerboseOpt, console, emit_json, make_reporter
+from mlxkit.cli._options import (DeviceOpt, JsonOpt, Output, QuietOpt, SeedOpt, VerboseOpt, check_placement,
+                                 console)
 
 
 def _ints(text: str, flag: str) -> tuple[int, ...]:
@@ -32,7 +33,7 @@ def calibrate_command(
                                                           "(a NAME.report.json is written beside it).")],
     model: Annotated[str, typer.Option("--model", "-m", help="Parent whose variants are timed: HF directory, hub "
                                                              "id, or 'smollm2-135m'.")] = "smollm2-135m",
-    device: Annotated[str, typer.Option("--device", help="cpu or cuda[:N].")] = "cpu",
+    device: DeviceOpt = "cpu",
     batch: Annotated[Optional[str], typer.Option("--batch", help="Batch sizes to time, comma-separated "
                                                  "(default 1,4; llamacpp: 1).")] = None,
     seq: Annotated[str, typer.Option("--seq", help="Prompt lengths to time, comma-separated.")] = "32,128",
@@ -41,7 +42,10 @@ def calibrate_command(
     copies: Annotated[int, typer.Option("--copies", min=1, help="Copies of a variant per timed model.")] = 4,
     repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed repeats (the median is kept).")] = 3,
     decode_steps: Annotated[int, typer.Option("--decode-steps", min=1, help="Decode steps per repeat.")] = 16,
-    dtype: Annotated[str, typer.Option("--dtype", help="float32, bfloat16 or float16.")] = "float32",
+    dtype: Annotated[str, typer.Option("--dtype", help="dtype of the timed weights: float32, bfloat16, float16, "
+                                       "or auto (bfloat16 on a GPU that supports it, float32 on a CPU). A profile "
+                                       "is fitted for one dtype, so the default stays float32.",
+                                       metavar="auto|float32|bfloat16|float16")] = "float32",
     threads: Annotated[int, typer.Option("--threads", min=0, help="CPU threads for torch or llama.cpp; 0 keeps "
                                          "the engine's default (torch's, or every core). With 1 and torch the "
                                          "CPU-time clock is used.")] = 1,
@@ -57,18 +61,21 @@ def calibrate_command(
 ) -> None:
     from mlxkit.engines.calibrate.run import CalibrationSettings, run_calibrate
 
-    if not device.startswith(("cpu", "cuda")):
-        raise fail(f"--device must be cpu or cuda[:N] (got '{device}')")
+    check_placement(device, dtype)
+    output = Output(json_out, quiet, verbose)
     settings = CalibrationSettings(model=model, device=device, batches=_ints(batch or ("1" if engine == "llamacpp" else "1,4"), "--batch"),
                                    seqs=_ints(seq, "--seq"), copies=copies, repeats=repeats,
                                    decode_steps=decode_steps, dtype=dtype, threads=threads or None, clock=clock,
                                    base_profile=base, seed=seed, engine=engine)
-    result = run_calibrate(settings, out, overwrite=overwrite, reporter=make_reporter(json_out, quiet, verbose))
+    result = run_calibrate(settings, out, overwrite=overwrite, reporter=output.reporter)
     report = result.report
-    if json_out:
-        emit_json({"profile": str(result.profile_path), "report": str(result.report_path),
-                   "fitted": report["fitted"], "summary": report["summary"], "whole_model": report["whole_model"]})
-        return
+    output.emit({"profile": str(result.profile_path), "report": str(result.report_path), "device": report["device"],
+                 "fitted": report["fitted"], "summary": report["summary"], "whole_model": report["whole_model"]},
+                lambda _: _render(result, quiet))
+
+
+def _render(result, quiet: bool) -> None:
+    report = result.report
     if not quiet:
         table = Table(title=f"variants on {report['device']}: predicted vs measured (ms)")
         for column in ("variant", "batch", "prompt", "prefill pred", "prefill meas", "err",

@@ -35,7 +35,7 @@ import platform
 import shutil
 import tempfile
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -45,7 +45,7 @@ from mlxkit.engines.calibrate.fit import FIT_PARAMS, fit_profile
 from mlxkit.engines.calibrate.timing import Timing, time_model
 from mlxkit.engines.core.atomic import atomic_write_text
 from mlxkit.engines.core.progress import Reporter
-from mlxkit.engines.errors import BackendError, InputError
+from mlxkit.engines.errors import InputError
 from mlxkit.engines.hardware.costs import MIB, CostModel
 from mlxkit.engines.hardware.profile import HardwareProfile, load_profile
 from mlxkit.engines.hardware.scenario import DTYPE_BYTES, Scenario
@@ -214,6 +214,7 @@ def run_calibrate(settings: CalibrationSettings, out: str | Path, *, overwrite: 
 
     from mlxkit.engines.models.decilm.convert import from_parent
     from mlxkit.engines.models.loading import load_model
+    from mlxkit.engines.training.device import dtype_name, resolve_device, resolve_dtype
 
     reporter = reporter or Reporter()
     out = Path(out)
@@ -225,10 +226,14 @@ def run_calibrate(settings: CalibrationSettings, out: str | Path, *, overwrite: 
         raise InputError("copies, repeats and decode steps must all be ≥ 1")
     if not settings.batches or not settings.seqs or min(settings.batches) < 1 or min(settings.seqs) < 1:
         raise InputError("batch sizes and sequence lengths must be positive")
-    if settings.device.startswith("cuda") and not torch.cuda.is_available():
-        raise BackendError("--device cuda was asked for, but torch sees no CUDA device")
-    if settings.dtype not in _TORCH_TO_DTYPE:
-        raise InputError(f"--dtype must be one of {', '.join(_TORCH_TO_DTYPE)} (got '{settings.dtype}')")
+    # One resolution for every verb (engines/training/device.py); what follows reads the resolved names.
+    resolved = resolve_device(settings.device)
+    try:
+        timed_dtype = dtype_name(resolve_dtype(settings.dtype, resolved))
+    except InputError:
+        raise InputError(f"--dtype must be auto or one of {', '.join(_TORCH_TO_DTYPE)} "
+                         f"(got '{settings.dtype}')") from None
+    settings = replace(settings, device=str(resolved), dtype=timed_dtype)
     if settings.clock not in ("auto", "wall", "cpu"):
         raise InputError(f"--clock must be auto, wall or cpu (got '{settings.clock}')")
     if settings.engine not in ENGINES:
