@@ -9,8 +9,9 @@ import typer
 from rich.table import Table
 
 from mlxkit.cli._errors import fail, guarded
-from mlxkit.cli._options import (AllowPickleOpt, DataOpt, JsonOpt, OverwriteOpt, QuietOpt, RecipeOpt, SeedOpt,
-                                 TextFieldOpt, VerboseOpt, console, emit_json, make_reporter)
+from mlxkit.cli._options import (AllowPickleOpt, DataOpt, DeviceOpt, DtypeOpt, JsonOpt, Output, OverwriteOpt,
+                                 QuietOpt, RecipeOpt, SaveDtypeOpt, SeedOpt, SetOpt, TextFieldOpt, VerboseOpt,
+                                 check_placement, console)
 
 
 @guarded
@@ -24,7 +25,7 @@ def distill_command(
     teacher: Annotated[Optional[str], typer.Option("--teacher", help="Teacher (--gkd/--kd): the parent model.")] = None,
     student: Annotated[Optional[str], typer.Option("--student", help="Student (--gkd/--kd): e.g. a searched child.")] = None,
     tokens: Annotated[Optional[int], typer.Option("--tokens", help="Training tokens (--gkd/--kd; default: the recipe's).")] = None,
-    overrides: Annotated[list[str], typer.Option("--set", help="Override a recipe field, e.g. --set optim.lr=3e-4.")] = [],
+    overrides: SetOpt = [],
     overwrite: OverwriteOpt = False,
     model: Annotated[str, typer.Option("--model", "-m", help="Parent model.")] = "smollm2-135m",
     data: DataOpt = None,
@@ -33,6 +34,9 @@ def distill_command(
     no_score: Annotated[bool, typer.Option("--no-score", help="Build the blocks but do not score them.")] = False,
     init_only: Annotated[bool, typer.Option("--init-only", help="Initialise blocks without BLD training (ablation).")] = False,
     text_field: TextFieldOpt = "text",
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    save_dtype: SaveDtypeOpt = None,
     seed: SeedOpt = 0,
     allow_pickle: AllowPickleOpt = False,
     json_out: JsonOpt = False,
@@ -44,24 +48,28 @@ def distill_command(
 
     if bld + gkd + kd != 1:
         raise fail("choose one distillation mode: --bld (block library), --gkd (global distillation) or --kd")
+    check_placement(device, dtype, save_dtype)
+    output = Output(json_out, quiet, verbose)
     if gkd or kd:
         from mlxkit.cli.distill_global import run_global_distillation
 
         return run_global_distillation(mode="gkd" if gkd else "kd", teacher=teacher, student=student, out=out,
                                        data=data, text_field=text_field, recipe=recipe, tokens=tokens,
                                        overrides=overrides, seed=seed, overwrite=overwrite, allow_pickle=allow_pickle,
-                                       json_out=json_out, quiet=quiet, verbose=verbose)
+                                       device=device, dtype=dtype, save_dtype=save_dtype, output=output)
     if score_only and (no_score or init_only):
         raise fail("--score-only cannot be combined with --no-score or --init-only")
     options = DistillOptions(model=model, out=out, recipe=load_recipe(recipe or "quick"), data=data,
                              text_field=text_field, seed=seed, train=not init_only, score=not no_score,
-                             score_only=score_only, allow_pickle=allow_pickle)
-    summary = run_distill(options, make_reporter(json_out, quiet, verbose))
+                             score_only=score_only, allow_pickle=allow_pickle, device=device, dtype=dtype,
+                             save_dtype=save_dtype)
+    summary = run_distill(options, output.reporter)
     if not summary:  # a non-zero rank of a distributed run: rank 0 reports
         return
-    if json_out:
-        emit_json(summary)
-        return
+    output.emit(summary, lambda s: _render_library(s, quiet))
+
+
+def _render_library(summary: dict, quiet: bool) -> None:
     if not quiet:
         render_library_table(summary)
     console.print(f"[green]library[/green] {summary['library']}  ({summary['subblocks_trained']} subblocks trained, "

@@ -5,13 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from mlxkit.cli._errors import fail
-from mlxkit.cli._options import console, emit_json, make_reporter, parse_overrides
+from mlxkit.cli._options import Output, console, parse_overrides
 
 
 def run_global_distillation(*, mode: str, teacher: str | None, student: str | None, out: Path, data: Path | None,
                             text_field: str, recipe: str | None, tokens: int | None, overrides: list[str],
-                            seed: int, overwrite: bool, allow_pickle: bool, json_out: bool, quiet: bool,
-                            verbose: bool) -> None:
+                            seed: int, overwrite: bool, allow_pickle: bool, device: str, dtype: str,
+                            save_dtype: str | None, output: Output) -> None:
     from mlxkit.engines.distill.recipe import load_distill_recipe
     from mlxkit.engines.distill.trainer import DistillationOptions, run_distillation
 
@@ -22,13 +22,14 @@ def run_global_distillation(*, mode: str, teacher: str | None, student: str | No
     loaded = load_distill_recipe(recipe or mode).with_overrides(parse_overrides(overrides))
     options = DistillationOptions(mode=mode, teacher=teacher, student=student, out=out, recipe=loaded, data=data,  # type: ignore[arg-type]
                                   text_field=text_field, tokens=tokens, seed=seed, overwrite=overwrite,
-                                  allow_pickle=allow_pickle)
-    summary = run_distillation(options, make_reporter(json_out, quiet, verbose))
+                                  allow_pickle=allow_pickle, device=device, dtype=dtype, save_dtype=save_dtype)
+    summary = run_distillation(options, output.reporter)
     if not summary:  # a non-zero rank of a distributed run: rank 0 reports
         return
-    if json_out:
-        emit_json(summary)
-        return
+    output.emit(summary, lambda s: _render(mode, s))
+
+
+def _render(mode: str, summary: dict) -> None:
     before, after = summary["before"], summary["after"]
     console.print(f"[green]{mode.upper()}[/green] {summary['out']}: {summary['tokens']} tokens in {summary['steps']} "
                   f"steps; held-out KL {before['kl_div']:.4f} → {after['kl_div']:.4f}, top-1 agreement "

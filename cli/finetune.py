@@ -12,8 +12,11 @@ from typing import Annotated, Optional
 import typer
 
 from mlxkit.cli._errors import fail, guarded
-from mlxkit.cli._options import (AllowPickleOpt, JsonOpt, OverwriteOpt, QuietOpt, SeedOpt,
-                                 TextFieldOpt, VerboseOpt, console, emit_json, make_reporter, parse_overrides)
+from mlxkit.cli._options import (AllowPickleOpt, DeviceOpt, DtypeOpt, JsonOpt, Output, OverwriteOpt, QuietOpt,
+                                 SaveDtypeOpt, SeedOpt, TextFieldOpt, VerboseOpt, check_placement, console,
+                                 parse_overrides, set_option)
+
+SetOpt = set_option(help="Override any recipe field, key=value (repeatable), e.g. --set htuning.mix_coef=0.9.")
 
 
 @guarded
@@ -44,9 +47,11 @@ def finetune_command(
                                                    "(default: those the model records).")] = None,
     new_attack: Annotated[Optional[str], typer.Option("--new-attack", help="crt: fine-tune a trained classifier for "
                                                       "this attack, replaying the old ones.")] = None,
-    overrides: Annotated[list[str], typer.Option("--set", help="Override any recipe field, e.g. --set "
-                                                 "htuning.mix_coef=0.9.")] = [],
+    overrides: SetOpt = [],
     text_field: TextFieldOpt = "text",
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    save_dtype: SaveDtypeOpt = None,
     seed: SeedOpt = 0,
     overwrite: OverwriteOpt = False,
     allow_pickle: AllowPickleOpt = False,
@@ -61,6 +66,9 @@ def finetune_command(
     if data is None:
         raise fail("finetune needs --data (text, or JSONL with text and label fields for classification; "
                    ".npz for crt)")
+    check_placement(device, dtype, save_dtype)
+    output = Output(json_out, quiet, verbose)
+    placement = {"device": device, "dtype": dtype, "save_dtype": save_dtype}
     base = load_finetune_recipe(recipe)
     if isinstance(base, CrtRecipe):
         if merge or objective is not None:
@@ -69,7 +77,7 @@ def finetune_command(
         flags = {f"{phase}.steps": steps, "optim.batch_size": batch, f"{phase}.lr": lr}
         settings = {key: value for key, value in flags.items() if value is not None}
         _crt(base.with_overrides({**settings, **parse_overrides(overrides)}), model, data, out, attacks,
-             new_attack, eval_data, seed, overwrite, json_out, quiet, verbose)
+             new_attack, eval_data, seed, overwrite, placement, output)
         return
     if attacks is not None or new_attack is not None:
         raise fail("--attacks and --new-attack belong to --recipe crt")
@@ -78,13 +86,14 @@ def finetune_command(
     loaded = base.with_overrides({**settings, **parse_overrides(overrides)})
     options = FinetuneOptions(model=model or "smollm2-135m", data=data, out=out, recipe=loaded, eval_data=eval_data,
                               text_field=text_field, merge=merge, seed=seed, overwrite=overwrite,
-                              allow_pickle=allow_pickle)
-    summary = run_finetune(options, make_reporter(json_out, quiet, verbose))
+                              allow_pickle=allow_pickle, **placement)
+    summary = run_finetune(options, output.reporter)
     if not summary:  # a non-zero rank of a distributed run: rank 0 reports
         return
-    if json_out:
-        emit_json(summary)
-        return
+    output.emit(summary, _render)
+
+
+def _render(summary: dict) -> None:
     before, after = summary["before"], summary["after"]
     extra = f", accuracy {before['accuracy']:.3f} → {after['accuracy']:.3f}" if "accuracy" in after else ""
     console.print(f"[green]{summary['method']}[/green] {summary['out']} ({summary['format']}): {summary['steps']} "
@@ -98,7 +107,8 @@ def _names(value: str | None) -> tuple[str, ...]:
 
 
 def _crt(recipe, model: str | None, data: Path, out: Path, attacks: str | None, new_attack: str | None,
-         eval_data: Optional[Path], seed: int, overwrite: bool, json_out: bool, quiet: bool, verbose: bool) -> None:
+         eval_data: Optional[Path], seed: int, overwrite: bool, placement: dict[str, str | None],
+         output: Output) -> None:
     from mlxkit.engines.robust.trainer import CrtOptions, run_crt
 
     if model is None:
@@ -106,11 +116,11 @@ def _crt(recipe, model: str | None, data: Path, out: Path, attacks: str | None, 
                    "directory")
     options = CrtOptions(model=model, data=data, out=out, recipe=recipe, attacks=_names(attacks),
                          new_attack=new_attack.strip() if new_attack else None, eval_data=eval_data, seed=seed,
-                         overwrite=overwrite)
-    summary = run_crt(options, make_reporter(json_out, quiet, verbose))
-    if json_out:
-        emit_json(summary)
-        return
+                         overwrite=overwrite, **placement)
+    output.emit(run_crt(options, output.reporter), _render_crt)
+
+
+def _render_crt(summary: dict) -> None:
     before, after = summary["before"], summary["after"]
     robust = ", ".join(f"{name} {before['attacks'][name]:.3f} → {after['attacks'][name]:.3f}"
                        for name in summary["attacks"])

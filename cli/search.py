@@ -8,9 +8,13 @@ from typing import Annotated, Optional
 import typer
 
 from mlxkit.cli._errors import fail, guarded
-from mlxkit.cli._options import (AllowPickleOpt, DataOpt, JsonOpt, OverwriteOpt, QuietOpt, RecipeOpt, SeedOpt,
-                                 VerboseOpt, console, emit_json, make_reporter, parse_overrides)
+from mlxkit.cli._options import (AllowPickleOpt, DataOpt, DeviceOpt, DtypeOpt, JsonOpt, Output, OverwriteOpt,
+                                 QuietOpt, RecipeOpt, SaveDtypeOpt, SeedOpt, VerboseOpt, check_placement, console,
+                                 parse_overrides, set_option)
 from mlxkit.engines.core.sizes import SIZE_HELP
+
+GkdSetOpt = set_option("--gkd-set", help="Override a field of the GKD recipe (--gkd-recipe), key=value "
+                                         "(repeatable), e.g. --set optim.lr=3e-4; --gkd-set is the older spelling.")
 
 
 @guarded
@@ -36,10 +40,13 @@ def search_command(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Solve and report, but write no checkpoint (--write-costs and --write-lp still write their files).")] = False,
     gkd_tokens: Annotated[Optional[int], typer.Option("--gkd-tokens", min=1, help="Then distil the child against the parent (GKD) on this many tokens of --data (default: text sampled from the parent); resumable.")] = None,
     gkd_recipe: Annotated[str, typer.Option("--gkd-recipe", help="Distillation recipe for --gkd-tokens (name or YAML path).")] = "gkd",
-    gkd_set: Annotated[list[str], typer.Option("--gkd-set", help="Override a GKD recipe field, e.g. --gkd-set optim.lr=3e-4.")] = [],
+    gkd_set: GkdSetOpt = [],
     export: Annotated[Optional[str], typer.Option("--export", help="Search only what this serving format can hold (gguf: no linear FFN; nemotron-nas: widths exact as ffn_mult), then export the child into --out: model-DTYPE.gguf or export-FORMAT/.")] = None,
     export_dtype: Annotated[str, typer.Option("--export-dtype", help="f32 | f16 | q8_0 (q8_0: gguf only).")] = "f32",
     data: DataOpt = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    save_dtype: SaveDtypeOpt = None,
     seed: SeedOpt = 0,
     overwrite: OverwriteOpt = False,
     allow_pickle: AllowPickleOpt = False,
@@ -50,14 +57,16 @@ def search_command(
     from mlxkit.cli.search_render import render_costs, render_frontier, render_search
     from mlxkit.engines.puzzle.search import SearchOptions, costs_only as price_only, run_search, search_frontier
 
-    reporter = make_reporter(json_out, quiet, verbose)
+    check_placement(device, dtype, save_dtype)
+    output = Output(json_out, quiet, verbose)
+    reporter = output.reporter
     if costs not in ("profile", "library"):
         raise fail(f"--costs must be 'profile' or 'library' (got '{costs}')")
     if costs_only:
         if write_costs or write_lp:
             raise fail("--write-costs and --write-lp price a library; --costs-only prints its table (use --json)")
         report = price_only(model, target, scenario, recipe or "quick", reporter)
-        emit_json(report) if json_out else render_costs(report, console)
+        output.emit(report, lambda r: render_costs(r, console))
         return
     if gkd_tokens and dry_run:
         raise fail("--gkd-tokens trains the saved child; it cannot be combined with --dry-run")
@@ -72,12 +81,12 @@ def search_command(
                             metric=metric, solutions=solutions, min_distance=min_distance, batch_sweep=sweep,
                             write_costs=write_costs, write_lp=write_lp, seed=seed, overwrite=overwrite,
                             allow_pickle=allow_pickle, gkd_tokens=gkd_tokens, gkd_recipe=gkd_recipe,
-                            gkd_overrides=parse_overrides(gkd_set), export=export, export_dtype=export_dtype)
+                            gkd_overrides=parse_overrides(gkd_set), export=export, export_dtype=export_dtype,
+                            device=device, dtype=dtype, save_dtype=save_dtype)
     if throughput is not None and "," in throughput:
         if not dry_run:
             raise fail("several --throughput targets draw the frontier: add --dry-run (one checkpoint per run)")
         result = search_frontier(options, [t.strip() for t in throughput.split(",")], reporter)
-        emit_json(result) if json_out else render_frontier(result, console)
+        output.emit(result, lambda r: render_frontier(r, console))
         return
-    result = run_search(options, reporter)
-    emit_json(result) if json_out else render_search(result, console, quiet)
+    output.emit(run_search(options, reporter), lambda r: render_search(r, console, quiet))
