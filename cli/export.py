@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from mlxkit.cli._errors import guarded
-from mlxkit.cli._options import JsonOpt, OverwriteOpt, QuietOpt, VerboseOpt, console, emit_json, make_reporter
+from mlxkit.cli._options import JsonOpt, Output, OverwriteOpt, QuietOpt, VerboseOpt, console
 
 
 @guarded
@@ -28,12 +28,13 @@ def export_command(
 ) -> None:
     from mlxkit.engines.export import describe_plan, plan_export, run_export
 
-    reporter = make_reporter(json_out, quiet, verbose)
-    plan = plan_export(model, fmt, out, dtype, overwrite=overwrite, reporter=reporter)
-    result = describe_plan(plan) if dry_run else run_export(plan, overwrite=overwrite, reporter=reporter)
-    if json_out:
-        emit_json(result)
-        return
+    output = Output(json_out, quiet, verbose)
+    plan = plan_export(model, fmt, out, dtype, overwrite=overwrite, reporter=output.reporter)
+    result = describe_plan(plan) if dry_run else run_export(plan, overwrite=overwrite, reporter=output.reporter)
+    output.emit(result, lambda r: _render(model, fmt, r, dry_run, quiet))
+
+
+def _render(model: str, fmt: str, result: dict, dry_run: bool, quiet: bool) -> None:
     if quiet:
         console.print(result["out"])
         return

@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from mlxkit.cli._errors import guarded
-from mlxkit.cli._options import JsonOpt, QuietOpt, console, emit_json, make_reporter
+from mlxkit.cli._options import JsonOpt, Output, QuietOpt, console
 
 
 @guarded
@@ -18,15 +18,17 @@ def fetch_command(
 ) -> None:
     from mlxkit.engines.models.loading import check_local_weights, describe_source, load_config, resolve_spec
 
-    reporter = make_reporter(json_out, quiet, False)
-    source = resolve_spec(model, reporter)
+    output = Output(json_out, quiet)
+    source = resolve_spec(model, output.reporter)
     check_local_weights(source)  # "ready" promises loadable weights, not just a config
     config = load_config(str(source.path) if source.path else model)
     info = {"spec": model, "kind": source.kind, "path": str(source.path) if source.path else None,
             "model_type": config.model_type, "layers": getattr(config, "num_hidden_layers", None),
             "hidden_size": getattr(config, "hidden_size", None)}
-    if json_out:
-        emit_json(info)
-    elif not quiet:
-        console.print(f"[green]ready[/green] {describe_source(source)}: {config.model_type}, "
-                      f"{info['layers']} layers, hidden {info['hidden_size']}", soft_wrap=True)
+    where = describe_source(source)
+    output.emit(info, None if quiet else lambda shown: _render(where, shown))
+
+
+def _render(where: str, info: dict) -> None:
+    console.print(f"[green]ready[/green] {where}: {info['model_type']}, {info['layers']} layers, "
+                  f"hidden {info['hidden_size']}", soft_wrap=True)

@@ -8,7 +8,7 @@ import yaml
 from rich.table import Table
 
 from mlxkit.cli._errors import guarded
-from mlxkit.cli._options import JsonOpt, console, emit_json
+from mlxkit.cli._options import JsonOpt, Output, console
 
 
 @guarded
@@ -20,9 +20,10 @@ def recipes_command(json_out: JsonOpt = False) -> None:
             data = yaml.safe_load(item.read_text()) or {}
             rows.append({"verb": folder.name, "name": item.name[:-5],
                          "description": str(data.get("description", "")).strip(), "path": str(item)})
-    if json_out:
-        emit_json(rows)
-        return
+    Output(json_out).emit(rows, _render)
+
+
+def _render(rows: list[dict]) -> None:
     table = Table(title="packaged recipes (--recipe NAME, or a path to your own copy)")
     for column in ("verb", "name", "description", "path"):
         table.add_column(column, overflow="fold")
