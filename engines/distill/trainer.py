@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import math
 import shutil
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -38,8 +37,8 @@ from mlxkit.engines.distill.losses import cosine_distance_sum, logit_term_sums
 from mlxkit.engines.distill.recipe import DistillRecipe
 from mlxkit.engines.errors import InputError, NonFiniteError
 from mlxkit.engines.training.checkpoint import TrainingState, load_checkpoint, save_checkpoint
-from mlxkit.engines.training.device import Placement
-from mlxkit.engines.training.distributed import Distributed, gradients
+from mlxkit.engines.training.distributed import gradients
+from mlxkit.engines.training.run import TrainingOptions, TrainingRun
 from mlxkit.engines.training.loop import StepLoop, StepOutcome, median
 from mlxkit.engines.training.schedule import batch_indices
 from mlxkit.engines.training.spec import build_adamw, gradient_checkpointing_on
@@ -55,7 +54,7 @@ MAX_SAMPLED_SEQUENCES = 32
 
 
 @dataclass(frozen=True)
-class DistillationOptions:
+class DistillationOptions(TrainingOptions):
     mode: Mode
     teacher: str
     student: str
@@ -64,34 +63,17 @@ class DistillationOptions:
     data: Path | None = None
     text_field: str = "text"
     tokens: int | None = None
-    seed: int = 0
-    overwrite: bool = False
     allow_pickle: bool = False
-    device: str = "auto"                 # see engines/training/device.py for the device and dtype rule
-    dtype: str = "auto"
-    save_dtype: str | None = None
-    stop_after_steps: int | None = None  # leave a resumable checkpoint and stop (tests, time-boxed runs)
-    manifest_extra: dict[str, Any] = field(default_factory=dict)
 
 
 def work_dir_for(out: Path) -> Path:
     return work_dir_beside(out, "distill")
 
 
-class DistillationRun:
-    """Setup, train, save: one readable recipe over the shared building blocks."""
+class DistillationRun(TrainingRun):
+    """distill: setup, train and save over the shared training core."""
 
-    def __init__(self, options: DistillationOptions, reporter: Reporter | None = None):
-        self.options = options
-        self.recipe = options.recipe
-        self.reporter = reporter or Reporter()
-        self.placement = Placement.resolve(options.device, options.dtype)
-        self.dist = Distributed.from_env(self.placement.device)
-        for note in self.dist.notes:
-            self.reporter.notice(note)
-        self.out = Path(options.out).expanduser().resolve()
-        self.work = work_dir_for(self.out)
-        self.started = time.time()
+    work_kind = "distill"
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -307,9 +289,6 @@ class DistillationRun:
         shutil.rmtree(self.work, ignore_errors=True)
         return out
 
-    def cleanup(self) -> None:
-        self.dist.close()
-
 
 class _ManifestWithLog:
     """Writes the manifest and copies the training log into the output directory."""
@@ -329,13 +308,4 @@ def _source_key(source) -> dict[str, Any]:
 
 def run_distillation(options: DistillationOptions, reporter: Reporter | None = None) -> dict[str, Any]:
     """Train (or resume) and save; returns the summary ({} on non-main ranks or when stopped early)."""
-    run = DistillationRun(options, reporter)
-    try:
-        run.setup()
-        summary = run.train()
-        if summary is None:
-            return {}
-        out = run.save(summary)
-        return {**summary, "out": str(out), "wall_time_s": round(time.time() - run.started, 1)}
-    finally:
-        run.cleanup()
+    return DistillationRun(options, reporter).execute()

@@ -20,8 +20,7 @@ import math
 import resource
 import shutil
 import sys
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +37,7 @@ from mlxkit.engines.finetune.model import build_model, fo_layer_parameters, save
 from mlxkit.engines.finetune.recipe import FinetuneRecipe
 from mlxkit.engines.finetune.steps import MixOrderSplit, first_order_step, mix_order_step
 from mlxkit.engines.training.checkpoint import TrainingState, load_checkpoint, save_checkpoint
-from mlxkit.engines.training.device import Placement
-from mlxkit.engines.training.distributed import Distributed
+from mlxkit.engines.training.run import TrainingOptions, TrainingRun
 from mlxkit.engines.training.loop import StepLoop, StepOutcome, median
 from mlxkit.engines.training.schedule import batch_indices
 from mlxkit.engines.training.spec import build_adamw, gradient_checkpointing_on
@@ -51,7 +49,7 @@ LOG_NAME = "finetune_log.jsonl"
 
 
 @dataclass(frozen=True)
-class FinetuneOptions:
+class FinetuneOptions(TrainingOptions):
     model: str
     data: Path
     out: Path
@@ -59,34 +57,17 @@ class FinetuneOptions:
     eval_data: Path | None = None   # held-out text for a causal LM (default: a split of --data)
     text_field: str = "text"
     merge: bool = False             # adapter recipes: write the merged model instead of the adapter
-    seed: int = 0
-    overwrite: bool = False
     allow_pickle: bool = False
-    device: str = "auto"                 # see engines/training/device.py for the device and dtype rule
-    dtype: str = "auto"
-    save_dtype: str | None = None
-    stop_after_steps: int | None = None  # leave a resumable checkpoint and stop (tests, time-boxed runs)
-    manifest_extra: dict[str, Any] = field(default_factory=dict)
 
 
 def work_dir_for(out: Path) -> Path:
     return work_dir_beside(out, "finetune")
 
 
-class FinetuneRun:
-    """Setup, train, save: one readable recipe over the shared building blocks."""
+class FinetuneRun(TrainingRun):
+    """finetune: setup, train and save over the shared training core."""
 
-    def __init__(self, options: FinetuneOptions, reporter: Reporter | None = None):
-        self.options = options
-        self.recipe = options.recipe
-        self.reporter = reporter or Reporter()
-        self.placement = Placement.resolve(options.device, options.dtype)
-        self.dist = Distributed.from_env(self.placement.device)
-        for note in self.dist.notes:
-            self.reporter.notice(note)
-        self.out = Path(options.out).expanduser().resolve()
-        self.work = work_dir_for(self.out)
-        self.started = time.time()
+    work_kind = "finetune"
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -252,9 +233,6 @@ class FinetuneRun:
         shutil.rmtree(self.work, ignore_errors=True)
         return self.out
 
-    def cleanup(self) -> None:
-        self.dist.close()
-
 
 def _peak_rss_mib() -> float:
     """This process's peak resident size (ru_maxrss is KiB on Linux, bytes on macOS)."""
@@ -264,13 +242,4 @@ def _peak_rss_mib() -> float:
 
 def run_finetune(options: FinetuneOptions, reporter: Reporter | None = None) -> dict[str, Any]:
     """Train (or resume) and save; returns the summary ({} on non-main ranks or when stopped early)."""
-    run = FinetuneRun(options, reporter)
-    try:
-        run.setup()
-        summary = run.train()
-        if summary is None:
-            return {}
-        out = run.save(summary)
-        return {**summary, "out": str(out), "wall_time_s": round(time.time() - run.started, 1)}
-    finally:
-        run.cleanup()
+    return FinetuneRun(options, reporter).execute()

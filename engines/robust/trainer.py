@@ -24,8 +24,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +48,7 @@ from mlxkit.engines.robust.sampler import ContinualSampler
 from mlxkit.engines.training.checkpoint import TrainingState, load_checkpoint, save_checkpoint
 from mlxkit.engines.training.device import Placement
 from mlxkit.engines.training.distributed import Distributed
+from mlxkit.engines.training.run import TrainingOptions, TrainingRun
 from mlxkit.engines.training.loop import StepLoop, StepOutcome, median
 from mlxkit.engines.training.schedule import batch_indices, warmup_cosine
 from mlxkit.engines.training.step import clip_and_step, set_learning_rate
@@ -59,7 +59,7 @@ TRAINED_ATTACKS_KEY = "attacks_trained"  # manifest settings: every attack the m
 
 
 @dataclass(frozen=True)
-class CrtOptions:
+class CrtOptions(TrainingOptions):
     model: str                        # a model config (.json/.yaml) or a trained classifier directory
     data: Path
     out: Path
@@ -67,13 +67,6 @@ class CrtOptions:
     attacks: tuple[str, ...] = ()     # train: the attacks; finetune: the old attacks (default: the model's record)
     new_attack: str | None = None     # set: fine-tune for this attack
     eval_data: Path | None = None
-    seed: int = 0
-    overwrite: bool = False
-    device: str = "auto"                 # see engines/training/device.py for the device and dtype rule
-    dtype: str = "auto"
-    save_dtype: str | None = None
-    stop_after_steps: int | None = None  # leave a resumable checkpoint and stop (tests, time-boxed runs)
-    manifest_extra: dict[str, Any] = field(default_factory=dict)
 
 
 def work_dir_for(out: Path) -> Path:
@@ -112,22 +105,21 @@ def phase_learning_rate(step: int, phase: PhaseSpec) -> float:
     return warmup_cosine(step, phase.steps, phase.lr)
 
 
-class CrtRun:
-    """Setup, train, save: one readable recipe over the shared building blocks."""
+class CrtRun(TrainingRun):
+    """crt: setup, train and save over the shared training core."""
 
+    work_kind = "crt"
     def __init__(self, options: CrtOptions, reporter: Reporter | None = None):
-        self.options = options
-        self.recipe = options.recipe
-        self.reporter = reporter or Reporter()
-        self.out = Path(options.out).expanduser().resolve()
-        self.work = work_dir_for(self.out)
-        self.started = time.time()
+        super().__init__(options, reporter)
         self.phase_name = "train" if options.new_attack is None else "finetune"
         self.phase = self.recipe.train if options.new_attack is None else self.recipe.finetune
-        # One process: these classifiers are far too small to share out. The device rule is every verb's;
-        # the classifier trains in float32 (its ops are too small for lower precision to pay).
-        self.placement = Placement(Placement.resolve(options.device, options.dtype).device, torch.float32)
-        self.dist = Distributed(device=self.placement.device)
+
+    def resolve_placement(self) -> Placement:
+        # The classifier trains in float32: its ops are too small for a lower precision to pay.
+        return Placement(Placement.resolve(self.options.device, self.options.dtype).device, torch.float32)
+
+    def join_processes(self) -> Distributed:
+        return Distributed(device=self.placement.device)  # one process: these classifiers are too small to share out
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -330,14 +322,8 @@ class CrtRun:
 
 def run_crt(options: CrtOptions, reporter: Reporter | None = None) -> dict[str, Any]:
     """Train (or resume) and save; returns the summary ({} when stopped early)."""
-    run = CrtRun(options, reporter)
     # These classifiers are small: each op is microseconds of work, so thread hand-offs dominate
     # (on a shared 2-core machine a 64x128 linear layer ran about 50x slower on two threads than on one).
     with one_intra_op_thread():
-        run.setup()
-        summary = run.train()
-    if summary is None:
-        return {}
-    out = run.save(summary)
-    return {**summary, "out": str(out), "wall_time_s": round(time.time() - run.started, 1)}
+        return CrtRun(options, reporter).execute()
 

@@ -14,7 +14,6 @@ loaded back into the model's own tensors, so a checkpoint resumes on the device 
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
