@@ -9,6 +9,7 @@ check them with `check_placement` before any model loads.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,9 +51,19 @@ SetOpt = set_option()
 console = Console()
 
 
+def launch_rank() -> int:
+    """This process's rank under torchrun or accelerate (0 without a launcher)."""
+    raw = os.environ.get("RANK", "0").strip()
+    return int(raw) if raw.isdigit() else 0
+
+
 def make_reporter(json_out: bool, quiet: bool, verbose: bool) -> Reporter:
-    """Progress goes to stderr; with --json or --quiet the user asked for silence."""
-    if quiet or json_out:
+    """Progress goes to stderr; with --json or --quiet the user asked for silence.
+
+    Under a launcher only rank 0 reports: the other ranks do the same work on their share, and
+    their progress and notices would only repeat rank 0's.
+    """
+    if quiet or json_out or launch_rank() != 0:
         return Reporter()
     return RichReporter(verbose=verbose)
 
@@ -76,7 +87,12 @@ class Output:
         self.reporter = make_reporter(self.json, self.quiet, self.verbose)
 
     def emit(self, result: Any, render: Optional[Callable[[Any], None]] = None) -> None:
-        """`--json`: print `result` as the one JSON object; otherwise `render(result)` when given."""
+        """`--json`: print `result` as the one JSON object; otherwise `render(result)` when given.
+
+        Ranks other than 0 of a launch print nothing: rank 0 reports the run.
+        """
+        if launch_rank() != 0:
+            return
         if self.json:
             emit_json(result)
         elif render is not None:

@@ -59,8 +59,6 @@ def test_two_ranks_give_one_output_equal_to_one_rank(tiny_llama_dir, tiny_recipe
     assert payload["out"] == str(double_out.resolve()) and payload["gkd"]["world_size"] == 2
     # One output beside nothing else: no work directory of either stage is left.
     assert sorted(p.name for p in double_out.parent.iterdir()) == ["child"]
-    # Notices come once, from rank 0.
-    assert double.stderr.count("global distillation of the child") == 1
 
     single_payload = json.loads(single.stdout)
     assert payload["choices"] == single_payload["choices"]
@@ -101,3 +99,18 @@ def test_accelerate_launch_runs_two_processes_that_match_one(text_file, tmp_path
     assert json.loads(done.stdout)["world_size"] == 2
     a, b = _weights(single), _weights(double)
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=2e-5) for k in a)
+
+
+def test_only_rank_zero_reports(monkeypatch, capsys):
+    from mlxkit.cli._options import Output
+    from mlxkit.engines.core.progress import Reporter, RichReporter
+
+    monkeypatch.setenv("RANK", "0")
+    assert isinstance(Output(json=False).reporter, RichReporter)
+    Output(json=True).emit({"out": "x"})
+    assert '"out": "x"' in capsys.readouterr().out
+    monkeypatch.setenv("RANK", "1")
+    output = Output(json=True)
+    assert type(output.reporter) is Reporter  # the silent one
+    output.emit({})
+    assert capsys.readouterr().out == ""
