@@ -7,6 +7,9 @@ accumulated (and all-reduced) gradient equals the gradient of the global mean.
 The logit terms never hold a whole batch's [positions, vocab] logits: positions are taken
 in chunks, and each chunk's loss runs under activation checkpointing, so the chunk's
 teacher and student logits are freed after its forward and recomputed in the backward.
+
+Every loss is accumulated in float32, whatever the dtype the hidden states arrive in (the
+forward may run under bfloat16 autocast), on the device of the hidden states.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ LOGIT_CHUNK = 512  # positions per chunk: [512, 49152] float32 is 100 MB per ten
 
 def cosine_distance_sum(student_hidden: Sequence[torch.Tensor], teacher_hidden: Sequence[torch.Tensor]) -> torch.Tensor:
     """Σ over layers and positions of 1 − cos(h_student, h_teacher); tensors [B, T, H], one pair per layer."""
-    total = student_hidden[0].new_zeros(())
+    total = student_hidden[0].new_zeros((), dtype=torch.float32)
     for h_s, h_t in zip(student_hidden, teacher_hidden, strict=True):
         total = total + (1.0 - F.cosine_similarity(h_s.float(), h_t.float(), dim=-1)).sum()
     return total
@@ -41,7 +44,7 @@ def _chunk_sums(student_h: torch.Tensor, teacher_h: torch.Tensor, targets: torch
                 student_head: torch.nn.Module, teacher_head: torch.nn.Module, temperature: float,
                 with_kl: bool, with_nll: bool) -> tuple[torch.Tensor, torch.Tensor]:
     logits = student_head(student_h).float()
-    kl = nll = logits.new_zeros(())
+    kl = nll = logits.new_zeros((), dtype=torch.float32)
     if with_kl:
         with torch.no_grad():
             teacher_logp = F.log_softmax(teacher_head(teacher_h).float() / temperature, dim=-1)
@@ -62,8 +65,8 @@ def logit_term_sums(student_final: torch.Tensor, teacher_final: torch.Tensor, in
     hidden = student_final.shape[-1]
     s = student_final[:, :-1].reshape(-1, hidden)
     t = teacher_final[:, :-1].reshape(-1, teacher_final.shape[-1]).detach()
-    targets = input_ids[:, 1:].reshape(-1)
-    kl_total = nll_total = s.new_zeros(())
+    targets = input_ids[:, 1:].reshape(-1).to(s.device)
+    kl_total = nll_total = s.new_zeros((), dtype=torch.float32)
     for lo in range(0, s.shape[0], chunk):
         hi = lo + chunk
         kl, nll = checkpoint(_chunk_sums, s[lo:hi], t[lo:hi], targets[lo:hi], student_head, teacher_head,

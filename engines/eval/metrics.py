@@ -57,7 +57,7 @@ class TokenMetrics:
                reference_logits: torch.Tensor | None = None) -> None:
         """Add a batch: `logits` (and `reference_logits`) [B, T, V] for `input_ids` [B, T]."""
         flat = predicting(logits)
-        targets = input_ids[:, 1:].reshape(-1)
+        targets = input_ids[:, 1:].reshape(-1).to(flat.device)
         ref_flat = predicting(reference_logits) if reference_logits is not None else None
         self.has_reference |= ref_flat is not None
         for lo in range(0, flat.shape[0], POSITION_CHUNK):

@@ -21,6 +21,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors.torch import load_file, save_file
 
 from mlxkit.engines.core.atomic import atomic_file, atomic_write_json
@@ -31,6 +32,7 @@ from mlxkit.engines.puzzle.library_schema import (LIBRARY_FORMAT, LIBRARY_VERSIO
                                                   RunKey)
 from mlxkit.engines.puzzle.nvlabs_library import from_nvlabs, is_nvlabs_library
 from mlxkit.engines.puzzle.subblocks import Subblock, SubblockKind
+from mlxkit.engines.training.device import build_on
 
 INDEX_NAME = "library.json"
 
@@ -69,22 +71,26 @@ class LibraryDir:
     def has_block(self, layer: int, kind: str, name: str) -> bool:
         return self.block_record(layer, kind, name).exists() and self.block_file(layer, kind, name).exists()
 
-    def save_block(self, block: Subblock, record: BlockRecord) -> None:
-        """Write the block's tensors, then its record (the completion mark)."""
+    def save_block(self, block: Subblock, record: BlockRecord, dtype: torch.dtype | None = None) -> None:
+        """Write the block's tensors (in `dtype`, default their own), then its record (the completion mark)."""
         name = block.variant.name
+        tensors = {k: v.to(device="cpu", dtype=dtype if v.is_floating_point() else v.dtype)
+                   for k, v in block.weights().items()}
         with atomic_file(self.block_file(block.layer_idx, block.kind, name)) as tmp:
-            save_file(block.weights(), str(tmp), metadata={"layer": str(block.layer_idx), "kind": block.kind,
-                                                          "variant": name})
+            save_file(tensors, str(tmp), metadata={"layer": str(block.layer_idx), "kind": block.kind, "variant": name})
         atomic_write_json(self.block_record(block.layer_idx, block.kind, name), record.model_dump(mode="json"))
 
-    def load_block(self, parent_config, layer: int, kind: SubblockKind,
-                   variant: AttentionVariant | FFNVariant) -> Subblock:
-        block = Subblock(parent_config, layer, kind, variant)
+    def load_block(self, parent_config, layer: int, kind: SubblockKind, variant: AttentionVariant | FFNVariant,
+                   *, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> Subblock:
+        """The stored block on `device`, in `dtype` (default torch's default dtype), whatever dtype the file holds."""
+        dtype = dtype or torch.get_default_dtype()
+        path = self.block_file(layer, kind, variant.name)
+        if variant.kind != "no_op" and not path.exists():
+            raise InputError(f"library {self.root} has no trained block for layer {layer} {kind} {variant.name}")
+        # strict loading sets every parameter, so the block is built without initialising any.
+        block = build_on(device, lambda: Subblock(parent_config, layer, kind, variant).to(dtype))
         if variant.kind != "no_op":
-            path = self.block_file(layer, kind, variant.name)
-            if not path.exists():
-                raise InputError(f"library {self.root} has no trained block for layer {layer} {kind} {variant.name}")
-            block.layer.load_state_dict(load_file(str(path)), strict=True)
+            block.layer.load_state_dict(load_file(str(path), device=str(device)), strict=True)
         return block.eval()
 
     def read_record(self, layer: int, kind: str, name: str) -> BlockRecord:

@@ -50,10 +50,15 @@ class Subblock(nn.Module):
 
 
 def parent_subblock(parent_model, layer_idx: int, kind: SubblockKind) -> Subblock:
-    """The parent's own subblock at `layer_idx`, as a `Subblock` sharing the parent's tensors."""
+    """The parent's own subblock at `layer_idx`, as a `Subblock` sharing the parent's tensors.
+
+    Built on the meta device: every module that holds a tensor is replaced by the parent's,
+    so the block is wherever (and in whatever dtype) the parent is, and nothing is allocated.
+    """
     shape = ParentShape.from_config(parent_model.config)
     variant = parent_attention(shape) if kind == "attention" else parent_ffn(shape)
-    block = Subblock(parent_model.config, layer_idx, kind, variant)
+    with torch.device("meta"):
+        block = Subblock(parent_model.config, layer_idx, kind, variant)
     source = parent_model.model.layers[layer_idx]
     names = ("input_layernorm", "self_attn") if kind == "attention" else ("post_attention_layernorm", "mlp")
     for name in names:
