@@ -10,6 +10,14 @@ Stages (each skips what a previous, killed run already finished):
 The library stores no costs: they depend on the target and the deployment scenario, and
 `mlx search` prices every variant for the one it is asked about.
 
+Precision (the rule of `engines/training/device.py`): `--dtype auto` is bfloat16 on a GPU
+that supports it and float32 on a CPU. The parent is inference-only, so it is held in that
+compute dtype, and its activations are cached in it. BLD keeps each block's master weights
+and AdamW state in float32 and runs the forward under autocast, with the loss in float32;
+scoring takes log-softmax and KL in float32. Block files are written in the parent's
+dtype, or in an explicit --dtype, or in --save-dtype when given. The run key records the
+compute and save dtypes, so a directory is never resumed in another precision.
+
 `ensure_library` is the build-if-missing entry `mlx search` uses: one cached library per
 (parent, recipe) under `MLXKIT_CACHE/libraries/`.
 """
@@ -39,7 +47,7 @@ from mlxkit.engines.data.text import check_data_path
 from mlxkit.engines.errors import InputError
 from mlxkit.engines.models.decilm.blocks import AttentionVariant, FFNVariant, ParentShape, parent_attention, parent_ffn
 from mlxkit.engines.models.decilm.convert import from_parent
-from mlxkit.engines.models.loading import check_finite_weights, load_model
+from mlxkit.engines.models.loading import check_finite_weights, load_model, source_dtype
 from mlxkit.engines.puzzle import activations
 from mlxkit.engines.puzzle.block_init import initialise
 from mlxkit.engines.puzzle.bld import train_subblock
@@ -49,6 +57,7 @@ from mlxkit.engines.puzzle.recipe import PuzzleRecipe, load_recipe
 from mlxkit.engines.puzzle.scoring import ParentTail, parent_metrics, score_subblock
 from mlxkit.engines.puzzle.search_space import SearchSpace, build_search_space
 from mlxkit.engines.puzzle.subblocks import SubblockKind, parent_subblock
+from mlxkit.engines.training.device import Placement, dtype_name
 
 # How each block's training seed is derived from the run seed; part of the run key, so a
 # directory started under another rule is never resumed with this one.
@@ -73,6 +82,14 @@ class DistillOptions:
 
 
 @dataclass(frozen=True)
+class Precision:
+    """Where a run computes, and the dtype its block files are written in."""
+
+    placement: Placement
+    save_dtype: torch.dtype
+
+
+@dataclass(frozen=True)
 class Unit:
     layer: int
     kind: SubblockKind
@@ -87,7 +104,8 @@ def run_distill(options: DistillOptions, reporter: Reporter | None = None) -> di
     """Build (unless score-only) and score the library at `options.out`; returns a summary."""
     reporter = reporter or Reporter()
     started = time.time()
-    dist = Distributed.from_env()
+    placement = Placement.resolve(options.device, options.dtype)
+    dist = Distributed.from_env(placement.device)
     try:
         if options.out.exists() and not options.out.is_dir():
             raise InputError(f"--out '{options.out}' is a file; a block library is a directory")
@@ -96,19 +114,20 @@ def run_distill(options: DistillOptions, reporter: Reporter | None = None) -> di
         library = LibraryDir(options.out)
         if options.score_only:
             read_library(options.out)  # must exist and validate
-        parent, tokenizer, source = _load_parent(options, reporter)
+        parent, tokenizer, source = _load_parent(options, placement, reporter)
+        precision = Precision(placement, placement.save_dtype(source_dtype(source), options.save_dtype))
         space = build_search_space(ParentShape.from_config(parent.config), options.recipe.search_space)
-        key = _check_or_write_state(library, options, parent, dist)
+        key = _check_or_write_state(library, options, parent, precision, dist)
         train_ids, val_ids = _calibration_tokens(options, parent, tokenizer, library, dist, reporter)
         states_dir = library.work / "activations"
         if dist.is_main:
             activations.cache_states(parent, train_ids, val_ids, states_dir, reporter)
         dist.barrier()
         if not options.score_only:
-            _build_blocks(parent, space, library, options, dist, reporter)
+            _build_blocks(parent, space, library, options, precision, dist, reporter)
         dist.barrier()
         if options.score or options.score_only:
-            _score(parent, space, library, val_ids, options, dist, reporter)
+            _score(parent, space, library, val_ids, placement, dist, reporter)
         dist.barrier()
         summary: dict[str, Any] = {}
         if dist.is_main:
@@ -121,8 +140,10 @@ def run_distill(options: DistillOptions, reporter: Reporter | None = None) -> di
         dist.close()
 
 
-def _load_parent(options: DistillOptions, reporter: Reporter):
-    loaded = load_model(options.model, allow_pickle=options.allow_pickle, reporter=reporter)
+def _load_parent(options: DistillOptions, placement: Placement, reporter: Reporter):
+    """The parent, converted, on the run's device in the compute dtype (it is only ever run, never trained)."""
+    loaded = load_model(options.model, dtype=placement.dtype, device=placement.device,
+                        allow_pickle=options.allow_pickle, reporter=reporter)
     check_finite_weights(loaded.model, options.model)
     loaded.model.config._attn_implementation = "sdpa"
     parent = from_parent(loaded.model)
@@ -132,25 +153,30 @@ def _load_parent(options: DistillOptions, reporter: Reporter):
     return parent, loaded.tokenizer, loaded.source
 
 
-def _run_key(options: DistillOptions, parent) -> RunKey:
+def _run_key(options: DistillOptions, parent, precision: Precision) -> RunKey:
     data = {"spec": str(options.data), "hash": content_hash(options.data)} if options.data else "sampled"
     return RunKey(parent=model_fingerprint(parent), data=data, seed=options.seed, data_settings=options.recipe.data,
                   train=options.train, bld=options.recipe.bld, search_space=options.recipe.search_space,
-                  block_seed=BLOCK_SEED_RULE)
+                  block_seed=BLOCK_SEED_RULE, compute_dtype=dtype_name(precision.placement.dtype),
+                  save_dtype=dtype_name(precision.save_dtype))
 
 
-def _check_or_write_state(library: LibraryDir, options: DistillOptions, parent, dist: Distributed) -> RunKey | None:
+def _check_or_write_state(library: LibraryDir, options: DistillOptions, parent, precision: Precision,
+                          dist: Distributed) -> RunKey | None:
     """A library directory holds one run: resuming with other inputs would mix blocks silently.
 
     Returns the key the directory's blocks were built under (None when an older mlxkit wrote
     it in another layout), which is what `library.json` records.
     """
-    key = _run_key(options, parent)
+    key = _run_key(options, parent, precision)
     previous = library.read_run_key()
     if previous is not None:
         current = key.model_dump(mode="json")
-        # Rescoring reads the blocks as they are: how they were trained or seeded does not matter.
-        exempt = ("train", "block_seed") if options.score_only else ()
+        # A key written before a field existed holds that field's default (float32 dtypes).
+        if isinstance(previous, dict):
+            previous = {**RunKey.defaults(), **previous}
+        # Rescoring reads the blocks as they are: how they were trained, seeded or written does not matter.
+        exempt = ("train", "block_seed", "save_dtype") if options.score_only else ()
         changed = sorted(k for k in current if previous.get(k) != current[k] and k not in exempt)
         if changed:
             raise InputError(f"'{library.root}' holds a library built with other settings ({', '.join(changed)}); "
@@ -211,41 +237,53 @@ def _trainable_units(space: SearchSpace) -> list[Unit]:
     return units
 
 
-def _build_blocks(parent, space: SearchSpace, library: LibraryDir, options: DistillOptions, dist: Distributed,
-                  reporter: Reporter) -> None:
+def _build_blocks(parent, space: SearchSpace, library: LibraryDir, options: DistillOptions, precision: Precision,
+                  dist: Distributed, reporter: Reporter) -> None:
     todo = [u for u in dist.share(_trainable_units(space)) if not library.has_block(u.layer, u.kind, u.variant.name)]
     if not todo:
         return
     spec = options.recipe.bld
+    placement = precision.placement
     pos = activations.position_embeddings(parent, options.recipe.data.seq_len)
     cached_layer, states = -1, None
     with reporter.task(f"BLD: training {len(todo)} subblocks" + (f" (rank {dist.rank})" if dist.world_size > 1
                                                                    else ""), total=len(todo)) as task:
         for unit in todo:
             if unit.layer != cached_layer:
-                states = activations.load_layer(library.work / "activations", unit.layer, space.parent.num_layers)
+                states = activations.load_layer(library.work / "activations", unit.layer, space.parent.num_layers,
+                                                device=placement.device)
                 cached_layer = unit.layer
             assert states is not None
-            if unit.kind == "attention":
-                x, y, vx, vy = states.train_in, states.train_mid - states.train_in, states.val_in, \
-                    states.val_mid - states.val_in
-            else:
-                x, y, vx, vy = states.train_mid, states.train_out - states.train_mid, states.val_mid, \
-                    states.val_out - states.val_mid
+            x, y, vx, vy = _block_data(states, unit.kind)
             source = parent_subblock(parent, unit.layer, unit.kind)
-            block = initialise(source, unit.variant, parent.config, unit.layer, x, y)
+            # float32 master weights, whatever the parent's (compute) dtype
+            block = initialise(source, unit.variant, parent.config, unit.layer, x, y, dtype=torch.float32)
             train = options.train and (unit.variant.kind != "linear" or spec.train_linear)
             # A hash of every part, so no two blocks share a seed and each block's seed is the
             # same whichever rank trains it, in whatever order.
             seed = derive_seed(options.seed, unit.layer, unit.kind, unit.variant.name)
             torch.manual_seed(seed)
             record = train_subblock(block, x, y, vx, vy, pos, spec if train else spec.model_copy(
-                update={"tokens_per_block": 0}), seed=seed)
+                update={"tokens_per_block": 0}), seed=seed, placement=placement)
             library.save_block(block, BlockRecord(layer=unit.layer, kind=unit.kind, variant=asdict(unit.variant),
                                                   init=_init_name(unit), trained=record.steps > 0,
-                                                  training=record.to_info()))
+                                                  training=record.to_info()), dtype=precision.save_dtype)
             task.advance()
             task.update(last=unit.label, nmse=record.val_nmse_after)
+
+
+def _block_data(states: activations.LayerStates, kind: SubblockKind) -> tuple[torch.Tensor, ...]:
+    """(inputs, targets, held-out inputs, held-out targets) of a subblock: the states entering it and what
+    the parent's subblock adds to them.
+
+    The targets are differences of cached states taken in float32, so the subtraction adds
+    no rounding of its own to what a bfloat16 cache holds (in float32 nothing changes).
+    """
+    if kind == "attention":
+        before, after, val_before, val_after = states.train_in, states.train_mid, states.val_in, states.val_mid
+    else:
+        before, after, val_before, val_after = states.train_mid, states.train_out, states.val_mid, states.val_out
+    return before, after.float() - before.float(), val_before, val_after.float() - val_before.float()
 
 
 def _init_name(unit: Unit) -> str:
@@ -263,15 +301,16 @@ def _scoring_units(space: SearchSpace) -> list[Unit]:
     return units
 
 
-def _score(parent, space: SearchSpace, library: LibraryDir, val_ids: torch.Tensor, options: DistillOptions,
+def _score(parent, space: SearchSpace, library: LibraryDir, val_ids: torch.Tensor, placement: Placement,
            dist: Distributed, reporter: Reporter) -> None:
+    """Replace-1-block scores: the parent and each block held in the compute dtype, the metrics in float32."""
     todo = [u for u in dist.share(_scoring_units(space)) if library.read_score(u.layer, u.kind, u.variant.name)
             is None]
     todo_parent = dist.is_main and library.read_score(-1, "parent", "parent") is None
     if not todo and not todo_parent:
         return
     pos = activations.position_embeddings(parent, val_ids.shape[1])
-    final = activations.load_final(library.work / "activations")["val_out"]
+    final = activations.load_final(library.work / "activations", device=placement.device)["val_out"]
     tail = ParentTail(parent, val_ids, final, pos)
     if todo_parent:
         library.save_score(-1, "parent", "parent", parent_metrics(tail))
@@ -279,10 +318,12 @@ def _score(parent, space: SearchSpace, library: LibraryDir, val_ids: torch.Tenso
     with reporter.task(f"scoring {len(todo)} variants (replace-1-block KL)", total=len(todo)) as task:
         for unit in todo:
             if unit.layer != cached_layer:
-                states = activations.load_layer(library.work / "activations", unit.layer, space.parent.num_layers)
+                states = activations.load_layer(library.work / "activations", unit.layer, space.parent.num_layers,
+                                                device=placement.device)
                 cached_layer = unit.layer
             assert states is not None
-            block = library.load_block(parent.config, unit.layer, unit.kind, unit.variant)  # type: ignore[arg-type]
+            block = library.load_block(parent.config, unit.layer, unit.kind, unit.variant,  # type: ignore[arg-type]
+                                       device=placement.device, dtype=placement.dtype)
             metrics = score_subblock(tail, block, unit.layer, states.val_in, states.val_mid)
             library.save_score(unit.layer, unit.kind, unit.variant.name, metrics)
             task.advance()
@@ -362,15 +403,20 @@ def default_library_dir(model: str, recipe: str) -> Path:
 
 
 def ensure_library(model: str, recipe: str, *, data: Path | None = None, seed: int = 0, allow_pickle: bool = False,
+                   device: str = "auto", dtype: str = "auto", save_dtype: str | None = None,
                    reporter: Reporter | None = None) -> Path:
-    """The cached library directory of (model, recipe), built and scored first if it has no index yet."""
+    """The cached library directory of (model, recipe), built and scored first if it has no index yet.
+
+    `device`, `dtype` and `save_dtype` follow `DistillOptions` (and apply only when the library is built).
+    """
     reporter = reporter or Reporter()
     path = default_library_dir(model, recipe)
     if not LibraryDir(path).index_file.exists():
         reporter.notice(f"building the '{recipe}' block library for {model} at {path} "
                         "(resumable; reused by later searches)")
         run_distill(DistillOptions(model=model, out=path, recipe=load_recipe(recipe), data=data, seed=seed,
-                                   allow_pickle=allow_pickle), reporter)
+                                   allow_pickle=allow_pickle, device=device, dtype=dtype, save_dtype=save_dtype),
+                    reporter)
     return path
 
 

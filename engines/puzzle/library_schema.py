@@ -147,6 +147,15 @@ class RunKey(_Strict):
     bld: BLDSpec
     search_space: SearchSpaceSpec
     block_seed: str  # the rule that seeds each block; a new rule must not resume an old run
+    # Precision: the dtype the parent ran in (activations, BLD autocast, scoring) and the dtype of
+    # the block files. Keys written before these fields existed were float32 runs.
+    compute_dtype: str = "float32"
+    save_dtype: str = "float32"
+
+    @classmethod
+    def defaults(cls) -> dict[str, Any]:
+        """The JSON value of every field that has a default: what a key written without that field means."""
+        return {name: field.default for name, field in cls.model_fields.items() if not field.is_required()}
 
 
 class StatsContext(_Strict):

@@ -203,7 +203,8 @@ class MlxDeciLMModel(MlxDeciLMPreTrainedModel):
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and self.gradient_checkpointing and self.training and torch.is_grad_enabled():
             # A checkpointed layer runs twice; a cache would be updated twice (transformers drops it the same way).
-            logger.warning_once("`use_cache=True` is incompatible with gradient checkpointing. Setting `use_cache=False`.")
+            logger.warning_once("`use_cache=True` is incompatible with gradient checkpointing. "
+                                "Setting `use_cache=False`.")
             use_cache = False
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
