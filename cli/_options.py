@@ -38,6 +38,10 @@ DtypeOpt = Annotated[str, typer.Option("--dtype", help=DTYPE_HELP, metavar="auto
 SaveDtypeOpt = Annotated[Optional[str], typer.Option("--save-dtype", help=SAVE_DTYPE_HELP,
                                                      metavar="float32|bfloat16|float16")]
 
+ShardingOpt = Annotated[str, typer.Option("--sharding", help="How several processes hold the models: auto (FSDP "
+                                          "sharding whenever more than one process runs), fsdp, or none (a full "
+                                          "replica in every process).", metavar="auto|fsdp|none")]
+
 SET_HELP = "Override a recipe field, key=value (repeatable), e.g. --set optim.lr=3e-4."
 
 

@@ -10,8 +10,8 @@ from rich.table import Table
 
 from mlxkit.cli._errors import fail, guarded
 from mlxkit.cli._options import (AllowPickleOpt, DataOpt, DeviceOpt, DtypeOpt, JsonOpt, Output, OverwriteOpt,
-                                 QuietOpt, RecipeOpt, SaveDtypeOpt, SeedOpt, SetOpt, TextFieldOpt, VerboseOpt,
-                                 check_placement, console)
+                                 QuietOpt, RecipeOpt, SaveDtypeOpt, SeedOpt, SetOpt, ShardingOpt, TextFieldOpt,
+                                 VerboseOpt, check_placement, console)
 
 
 @guarded
@@ -37,6 +37,7 @@ def distill_command(
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     save_dtype: SaveDtypeOpt = None,
+    sharding: ShardingOpt = "auto",
     seed: SeedOpt = 0,
     allow_pickle: AllowPickleOpt = False,
     json_out: JsonOpt = False,
@@ -56,7 +57,8 @@ def distill_command(
         return run_global_distillation(mode="gkd" if gkd else "kd", teacher=teacher, student=student, out=out,
                                        data=data, text_field=text_field, recipe=recipe, tokens=tokens,
                                        overrides=overrides, seed=seed, overwrite=overwrite, allow_pickle=allow_pickle,
-                                       device=device, dtype=dtype, save_dtype=save_dtype, output=output)
+                                       device=device, dtype=dtype, save_dtype=save_dtype, sharding=sharding,
+                                       output=output)
     if score_only and (no_score or init_only):
         raise fail("--score-only cannot be combined with --no-score or --init-only")
     options = DistillOptions(model=model, out=out, recipe=load_recipe(recipe or "quick"), data=data,

@@ -11,7 +11,7 @@ from mlxkit.cli._options import Output, console, parse_overrides
 def run_global_distillation(*, mode: str, teacher: str | None, student: str | None, out: Path, data: Path | None,
                             text_field: str, recipe: str | None, tokens: int | None, overrides: list[str],
                             seed: int, overwrite: bool, allow_pickle: bool, device: str, dtype: str,
-                            save_dtype: str | None, output: Output) -> None:
+                            save_dtype: str | None, sharding: str, output: Output) -> None:
     from mlxkit.engines.distill.recipe import load_distill_recipe
     from mlxkit.engines.distill.trainer import DistillationOptions, run_distillation
 
@@ -22,7 +22,8 @@ def run_global_distillation(*, mode: str, teacher: str | None, student: str | No
     loaded = load_distill_recipe(recipe or mode).with_overrides(parse_overrides(overrides))
     options = DistillationOptions(mode=mode, teacher=teacher, student=student, out=out, recipe=loaded, data=data,  # type: ignore[arg-type]
                                   text_field=text_field, tokens=tokens, seed=seed, overwrite=overwrite,
-                                  allow_pickle=allow_pickle, device=device, dtype=dtype, save_dtype=save_dtype)
+                                  allow_pickle=allow_pickle, device=device, dtype=dtype, save_dtype=save_dtype,
+                                  sharding=sharding)
     summary = run_distillation(options, output.reporter)
     if not summary:  # a non-zero rank of a distributed run: rank 0 reports
         return

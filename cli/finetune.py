@@ -13,7 +13,7 @@ import typer
 
 from mlxkit.cli._errors import fail, guarded
 from mlxkit.cli._options import (AllowPickleOpt, DeviceOpt, DtypeOpt, JsonOpt, Output, OverwriteOpt, QuietOpt,
-                                 SaveDtypeOpt, SeedOpt, TextFieldOpt, VerboseOpt, check_placement, console,
+                                 SaveDtypeOpt, SeedOpt, ShardingOpt, TextFieldOpt, VerboseOpt, check_placement, console,
                                  parse_overrides, set_option)
 
 SetOpt = set_option(help="Override any recipe field, key=value (repeatable), e.g. --set htuning.mix_coef=0.9.")
@@ -52,6 +52,7 @@ def finetune_command(
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     save_dtype: SaveDtypeOpt = None,
+    sharding: ShardingOpt = "auto",
     seed: SeedOpt = 0,
     overwrite: OverwriteOpt = False,
     allow_pickle: AllowPickleOpt = False,
@@ -86,7 +87,7 @@ def finetune_command(
     loaded = base.with_overrides({**settings, **parse_overrides(overrides)})
     options = FinetuneOptions(model=model or "smollm2-135m", data=data, out=out, recipe=loaded, eval_data=eval_data,
                               text_field=text_field, merge=merge, seed=seed, overwrite=overwrite,
-                              allow_pickle=allow_pickle, **placement)
+                              allow_pickle=allow_pickle, sharding=sharding, **placement)
     summary = run_finetune(options, output.reporter)
     if not summary:  # a non-zero rank of a distributed run: rank 0 reports
         return

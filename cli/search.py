@@ -9,7 +9,7 @@ import typer
 
 from mlxkit.cli._errors import fail, guarded
 from mlxkit.cli._options import (AllowPickleOpt, DataOpt, DeviceOpt, DtypeOpt, JsonOpt, Output, OverwriteOpt,
-                                 QuietOpt, RecipeOpt, SaveDtypeOpt, SeedOpt, VerboseOpt, check_placement, console,
+                                 QuietOpt, RecipeOpt, SaveDtypeOpt, SeedOpt, ShardingOpt, VerboseOpt, check_placement, console,
                                  parse_overrides, set_option)
 from mlxkit.engines.core.sizes import SIZE_HELP
 
@@ -47,6 +47,7 @@ def search_command(
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     save_dtype: SaveDtypeOpt = None,
+    sharding: ShardingOpt = "auto",
     seed: SeedOpt = 0,
     overwrite: OverwriteOpt = False,
     allow_pickle: AllowPickleOpt = False,
@@ -82,7 +83,7 @@ def search_command(
                             write_costs=write_costs, write_lp=write_lp, seed=seed, overwrite=overwrite,
                             allow_pickle=allow_pickle, gkd_tokens=gkd_tokens, gkd_recipe=gkd_recipe,
                             gkd_overrides=parse_overrides(gkd_set), export=export, export_dtype=export_dtype,
-                            device=device, dtype=dtype, save_dtype=save_dtype)
+                            device=device, dtype=dtype, save_dtype=save_dtype, sharding=sharding)
     if throughput is not None and "," in throughput:
         if not dry_run:
             raise fail("several --throughput targets draw the frontier: add --dry-run (one checkpoint per run)")

@@ -22,6 +22,7 @@ manifest, and the work directory is removed.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import shutil
 from dataclasses import dataclass
@@ -42,8 +43,11 @@ from mlxkit.engines.training.run import TrainingOptions, TrainingRun
 from mlxkit.engines.training.loop import StepLoop, StepOutcome, median
 from mlxkit.engines.training.schedule import batch_indices
 from mlxkit.engines.training.spec import build_adamw, gradient_checkpointing_on
-from mlxkit.engines.training.step import (check_global_batch, clip_and_step, enable_gradient_checkpointing,
-                                          place_frozen, place_trainable, set_learning_rate, term_sums)
+from mlxkit.engines.training.sharding import (full_state_dict, is_sharded, load_sharded_checkpoint,
+                                              save_sharded_checkpoint, shard_model, sharding_on)
+from mlxkit.engines.training.step import (check_global_batch, clip_and_step, decoder_states,
+                                          enable_gradient_checkpointing, place_frozen, place_trainable,
+                                          set_learning_rate, term_sums)
 from mlxkit.engines.training.work import check_run_key, finished_run_key, refuse_existing_output, work_dir_beside
 
 Mode = Literal["gkd", "kd"]
@@ -105,16 +109,36 @@ class DistillationRun(TrainingRun):
             raise InputError(f"data.seq_len {self.seq_len} exceeds the student's {positions} positions")
         tokens = self.options.tokens or self.recipe.schedule.tokens
         self.steps = max(1, math.ceil(tokens / (spec.batch_sequences * self.seq_len)))
+        self._check_or_write_run_key()
+        self.train_ids, self.val_ids = self._token_blocks()  # may sample from the whole teacher on rank 0
+        self.sharded = sharding_on(self.options.sharding, self.dist)
+        if self.sharded:
+            shard_model(self.teacher, self.placement, trainable=False)
+            shard_model(self.student, self.placement, trainable=True)
         self.params = [p for p in self.student.parameters() if p.requires_grad]
         self.optimizer = build_adamw(self.params, spec)
-        self._check_or_write_run_key()
-        self.train_ids, self.val_ids = self._token_blocks()
         self.state = TrainingState(0, 0, 0, {"train_seconds": 0.0})
-        resumed = load_checkpoint(self.work / "checkpoint", self.student, self.optimizer)
+        resumed = self._load_checkpoint()
         if resumed is not None:
             self.state = resumed
             self.reporter.notice(f"resuming {self.options.mode.upper()} at step {resumed.step} of {self.steps} "
                                  f"from {self.work / 'checkpoint'}")
+
+    @property
+    def _autocast(self):
+        """Autocast lowers a replicated run's compute; a sharded run's lower-precision weights come from FSDP."""
+        return contextlib.nullcontext() if self.sharded else self.placement.autocast()
+
+    def _load_checkpoint(self) -> TrainingState | None:
+        if self.sharded:
+            return load_sharded_checkpoint(self.work / "checkpoint", self.student, self.optimizer, self.dist)
+        return load_checkpoint(self.work / "checkpoint", self.student, self.optimizer)
+
+    def _save_checkpoint(self) -> None:
+        if self.sharded:
+            save_sharded_checkpoint(self.work / "checkpoint", self.student, self.optimizer, self.state, self.dist)
+        elif self.dist.is_main:
+            save_checkpoint(self.work / "checkpoint", self.student, self.optimizer, self.state)
 
     def _check_pair(self, teacher, student) -> None:
         t, s = teacher.model.config, student.model.config
@@ -191,10 +215,11 @@ class DistillationRun(TrainingRun):
         sums = term_sums(3, self.placement.device)  # cosine, kl, nll
         for lo in range(0, len(mine), spec.micro_batch_sequences):
             ids = self.train_ids[mine[lo:lo + spec.micro_batch_sequences]].to(self.placement.device)
-            with self.placement.autocast():
+            with self._autocast:
                 loss = self._piece_loss(ids, sums, positions * n_layers, predicted)
             loss.backward()
-        self.dist.all_reduce_sum([*gradients(self.params), sums])
+        # A sharded model's gradients were already summed over ranks by FSDP.
+        self.dist.all_reduce_sum([*gradients([p for p in self.params if not is_sharded(p)]), sums])
         clip_and_step(self.optimizer, self.params, spec.grad_clip)
         cosine, kl, nll = (sums / torch.tensor([positions * n_layers, predicted, predicted], dtype=torch.float64,
                                                device=sums.device)).tolist()
@@ -207,21 +232,18 @@ class DistillationRun(TrainingRun):
     def _piece_loss(self, ids: torch.Tensor, sums: torch.Tensor, cosine_count: int, predicted: int) -> torch.Tensor:
         """One micro-batch's share of the global-mean loss; adds its raw term sums to `sums`."""
         loss_spec = self.recipe.loss
-        teacher_out = None
+        teacher_layers = teacher_final = None
         if loss_spec.cosine_weight > 0 or loss_spec.kl_weight > 0:  # an LM-loss-only run never needs the teacher
             with torch.no_grad():
-                teacher_out = self.teacher.base_model(input_ids=ids, use_cache=False,
-                                                      output_hidden_states=loss_spec.cosine_weight > 0)
-        student_out = self.student.base_model(input_ids=ids, output_hidden_states=loss_spec.cosine_weight > 0,
-                                              use_cache=False)
-        loss = student_out.last_hidden_state.new_zeros((), dtype=torch.float32)
+                teacher_layers, teacher_final = decoder_states(self.teacher, ids)
+        student_layers, student_final = decoder_states(self.student, ids)
+        loss = student_final.new_zeros((), dtype=torch.float32)
         if loss_spec.cosine_weight > 0:
-            cosine = cosine_distance_sum(student_out.hidden_states[1:], teacher_out.hidden_states[1:])
+            cosine = cosine_distance_sum(student_layers, teacher_layers)
             loss = loss + loss_spec.cosine_weight * cosine / cosine_count
             sums[0] += cosine.detach().double()
         if loss_spec.kl_weight > 0 or loss_spec.lm_weight > 0:
-            student_final = student_out.last_hidden_state
-            teacher_final = student_final if teacher_out is None else teacher_out.last_hidden_state
+            teacher_final = student_final if teacher_final is None else teacher_final
             terms = logit_term_sums(student_final, teacher_final, ids,
                                     self.student.get_output_embeddings(), self.teacher.get_output_embeddings(),
                                     temperature=loss_spec.temperature, with_kl=loss_spec.kl_weight > 0,
@@ -235,7 +257,7 @@ class DistillationRun(TrainingRun):
         from mlxkit.engines.eval.language_model import evaluate
 
         self.student.eval()
-        with self.placement.autocast():
+        with self._autocast:
             result = evaluate(self.student, self.val_ids.to(self.placement.device), reference=self.teacher)
         self.student.train()
         return {"kl_div": result.kl_div, "top1_agreement": result.top1_agreement, "perplexity": result.perplexity}
@@ -244,12 +266,13 @@ class DistillationRun(TrainingRun):
         """Run the remaining steps; returns the summary, or None when stopped early or on a non-main rank."""
         schedule = self.recipe.schedule
         loop = StepLoop(self.work / LOG_NAME, self.dist, self.reporter, self.state, self.steps, schedule.eval_every,
-                        schedule.checkpoint_every, self.options.stop_after_steps)
+                        schedule.checkpoint_every, self.options.stop_after_steps, collective=self.sharded)
         tokens_per_step = self.recipe.optim.batch_sequences * self.seq_len
         finished = loop.run(title=f"{self.options.mode.upper()}: {self.steps} steps of {tokens_per_step} tokens",
                             step=self.train_step, evaluate=self.evaluate, optimizer=self.optimizer,
-                            checkpoint=lambda: save_checkpoint(self.work / "checkpoint", self.student,
-                                                               self.optimizer, self.state))
+                            checkpoint=self._save_checkpoint)
+        if finished and self.sharded:
+            self.full_state = full_state_dict(self.student)  # every rank takes part; rank 0 receives it
         if not finished or not self.dist.is_main:
             return None  # every rank meets the others again in cleanup()
         return self._summary(loop.records())
@@ -279,15 +302,25 @@ class DistillationRun(TrainingRun):
         manifest.settings = {"mode": self.options.mode, "recipe": self.recipe.model_dump(), "steps": self.steps,
                              "run_key": finished_run_key(self.work), **self.options.manifest_extra}
         manifest.results = {**summary, "log": LOG_NAME}
-        self.student.eval()
-        self.student.generation_config = self.generation_config
+        student = self._unsharded_student() if self.sharded else self.student
+        student.eval()
+        student.generation_config = self.generation_config
         log = self.work / LOG_NAME
 
         # save_model writes to a temporary directory; the log travels inside it.
-        out = save_model(self.student, self.tokenizer, self.out, _ManifestWithLog(manifest, log),
+        out = save_model(student, self.tokenizer, self.out, _ManifestWithLog(manifest, log),
                          overwrite=self.options.overwrite, dtype=self.save_dtype)
         shutil.rmtree(self.work, ignore_errors=True)
         return out
+
+
+    def _unsharded_student(self):
+        """The trained weights, gathered on rank 0, in a plain (unsharded) copy of the student read on the CPU."""
+        from mlxkit.engines.models.loading import load_model
+
+        plain = load_model(self.student_source, with_tokenizer=False, allow_pickle=self.options.allow_pickle).model
+        plain.load_state_dict(self.full_state, strict=True)
+        return plain
 
 
 class _ManifestWithLog:

@@ -39,7 +39,7 @@ def _logits(model, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids.to(module_device(model)), use_cache=False).logits
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: a sharded model reuses the weights it gathers here in training
 def evaluate(model, blocks: torch.Tensor, reference=None, reporter: Reporter | None = None) -> EvalResult:
     """NLL, perplexity and (with a `reference`) KL(reference || model) and top-1 agreement on `blocks` [n, seq_len].
 

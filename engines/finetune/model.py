@@ -31,6 +31,7 @@ from mlxkit.engines.distill.losses import logit_term_sums
 from mlxkit.engines.errors import InputError
 from mlxkit.engines.finetune.data import Batch, Examples
 from mlxkit.engines.finetune.recipe import FinetuneRecipe
+from mlxkit.engines.training.step import decoder_states
 
 HEAD_WEIGHTS = "classification_head.safetensors"
 HEAD_CONFIG = "classification_head.json"
@@ -51,8 +52,8 @@ class FinetuneModel(torch.nn.Module):
         return "causal_lm" if self.classifier is None else "classification"
 
     def hidden_states(self, ids: torch.Tensor) -> torch.Tensor:
-        # The backbone (`lm.model` for Llama-style and mlx_decilm models), through any injected LoRA layers.
-        return self.lm.base_model(input_ids=ids, use_cache=False).last_hidden_state
+        # The model's own forward (through any injected LoRA layers), so a sharded model gathers its root weights.
+        return decoder_states(self.lm, ids)[1]
 
     def loss_sum(self, batch: Batch) -> torch.Tensor:
         """The objective summed over the batch's loss terms (see the module docstring)."""
@@ -75,7 +76,7 @@ class FinetuneModel(torch.nn.Module):
     def trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [(name, p) for name, p in self.named_parameters() if p.requires_grad]
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: a sharded model reuses the weights it gathers here in training
     def evaluate(self, examples: Examples, batch_sequences: int = 8) -> dict[str, float]:
         """Held-out loss (mean NLL per predicted token, or mean cross-entropy) and, for classification, accuracy."""
         was_training = self.training

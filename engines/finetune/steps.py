@@ -25,6 +25,7 @@ from mlxkit.engines.finetune.recipe import HTuningSpec
 from mlxkit.engines.finetune.zeroth_order import mix_gradient, spsa_losses, zo_gradients
 from mlxkit.engines.training.device import Placement
 from mlxkit.engines.training.distributed import Distributed, gradients
+from mlxkit.engines.training.sharding import is_sharded
 from mlxkit.engines.training.step import term_sums
 
 
@@ -57,7 +58,8 @@ def first_order_step(model: FinetuneModel, params: Sequence[torch.nn.Parameter],
             loss = model.loss_sum(piece)
         (loss / units).backward()
         loss_sum += loss.detach().double()
-    dist.all_reduce_sum([*gradients(params), loss_sum])
+    # A sharded model's gradients were already summed over ranks by FSDP.
+    dist.all_reduce_sum([*gradients([p for p in params if not is_sharded(p)]), loss_sum])
     return {"loss": loss_sum.item() / units}
 
 

@@ -16,6 +16,7 @@ created, so a refused run leaves nothing behind.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import resource
 import shutil
@@ -41,6 +42,8 @@ from mlxkit.engines.training.run import TrainingOptions, TrainingRun
 from mlxkit.engines.training.loop import StepLoop, StepOutcome, median
 from mlxkit.engines.training.schedule import batch_indices
 from mlxkit.engines.training.spec import build_adamw, gradient_checkpointing_on
+from mlxkit.engines.training.sharding import (full_state_dict, load_sharded_checkpoint, save_sharded_checkpoint,
+                                              shard_model, sharding_on)
 from mlxkit.engines.training.step import (check_global_batch, clip_and_step, enable_gradient_checkpointing,
                                           place_trainable, set_learning_rate)
 from mlxkit.engines.training.work import check_run_key, finished_run_key, refuse_existing_output, work_dir_beside
@@ -96,6 +99,10 @@ class FinetuneRun(TrainingRun):
         place_trainable(self.model, self.placement)
         if gradient_checkpointing_on(recipe.gradient_checkpointing, self.placement.device):
             enable_gradient_checkpointing(lm)
+        self.labels = labels
+        self.sharded = self._sharded()
+        if self.sharded:
+            shard_model(lm, self.placement, trainable=True)
         self.params = [p for _, p in self.model.trainable()]
         if recipe.method == "htuning":
             assert recipe.htuning is not None
@@ -111,12 +118,49 @@ class FinetuneRun(TrainingRun):
         self.optimizer = build_adamw(self.params, spec)
         check_run_key(self.work, self._run_key(), self.dist)
         self.state = TrainingState(0, 0, 0, {"train_seconds": 0.0})
-        resumed = load_checkpoint(self.work / "checkpoint", self.model, self.optimizer,
-                                  trainable_only=self.peft is not None)
+        resumed = self._load_checkpoint()
         if resumed is not None:
             self.state = resumed
             self.reporter.notice(f"resuming {recipe.method} at step {resumed.step} of {self.steps} "
                                  f"from {self.work / 'checkpoint'}")
+
+    def _sharded(self) -> bool:
+        """FSDP for plain LoRA and full fine-tuning of a causal LM; the other runs stay replicated, with a notice."""
+        if not sharding_on(self.options.sharding, self.dist):
+            return False
+        recipe = self.recipe
+        reason = ("H-Tuning's SPSA perturbs whole tensors" if recipe.method == "htuning" else
+                  "the classification head lives outside the language model" if recipe.objective != "causal_lm" else
+                  "--merge folds the adapter into whole weights" if self.options.merge else None)
+        if reason is None:
+            return True
+        if self.options.sharding == "fsdp":
+            raise InputError(f"--sharding fsdp cannot serve this run: {reason} (use --sharding none)")
+        self.reporter.notice(f"{self.dist.world_size} processes keep full replicas: {reason}")
+        return False
+
+    def _load_checkpoint(self) -> TrainingState | None:
+        if self.sharded:
+            return load_sharded_checkpoint(self.work / "checkpoint", self.model, self.optimizer, self.dist)
+        return load_checkpoint(self.work / "checkpoint", self.model, self.optimizer, trainable_only=self.peft is not None)
+
+    def _save_checkpoint(self) -> None:
+        if self.sharded:
+            save_sharded_checkpoint(self.work / "checkpoint", self.model, self.optimizer, self.state, self.dist)
+        elif self.dist.is_main:
+            save_checkpoint(self.work / "checkpoint", self.model, self.optimizer, self.state,
+                            trainable_only=self.peft is not None)
+
+    def _unsharded_model(self):
+        """Rank 0's plain copy of the trained model: the base read again on the CPU, made trainable the same way,
+        and given the gathered weights."""
+        from mlxkit.engines.models.loading import load_model
+
+        lm = load_model(self.source, with_tokenizer=False, allow_pickle=self.options.allow_pickle).model
+        torch.manual_seed(derive_seed(self.options.seed, "finetune"))
+        model, peft = build_model(lm, self.recipe, self.labels, model_spec=f"model '{self.options.model}'")
+        lm.load_state_dict(self.full_state, strict=True)
+        return model, peft
 
     def _check_options(self) -> None:
         recipe, options = self.recipe, self.options
@@ -180,18 +224,19 @@ class FinetuneRun(TrainingRun):
         return StepOutcome(terms, int(self.train_data.lengths[indices].sum()), {"loss": terms["loss"]})
 
     def evaluate(self) -> dict[str, float]:
-        with self.placement.autocast():
+        with contextlib.nullcontext() if self.sharded else self.placement.autocast():
             return self.model.evaluate(self.val_data, self.recipe.optim.micro_batch_sequences)
 
     def train(self) -> dict[str, Any] | None:
         """Run the remaining steps; returns the summary, or None when stopped early or on a non-main rank."""
         schedule = self.recipe.schedule
         loop = StepLoop(self.work / LOG_NAME, self.dist, self.reporter, self.state, self.steps, schedule.eval_every,
-                        schedule.checkpoint_every, self.options.stop_after_steps)
+                        schedule.checkpoint_every, self.options.stop_after_steps, collective=self.sharded)
         finished = loop.run(title=f"{self.recipe.method}: {self.steps} steps of {self.recipe.optim.batch_sequences} "
                                   "sequences", step=self.train_step, evaluate=self.evaluate, optimizer=self.optimizer,
-                            checkpoint=lambda: save_checkpoint(self.work / "checkpoint", self.model, self.optimizer,
-                                                               self.state, trainable_only=self.peft is not None))
+                            checkpoint=self._save_checkpoint)
+        if finished and self.sharded:
+            self.full_state = full_state_dict(self.model.lm)  # every rank takes part; rank 0 receives it
         if not finished or not self.dist.is_main:
             return None  # every rank meets the others again in cleanup()
         return self._summary(loop.records())
@@ -223,9 +268,10 @@ class FinetuneRun(TrainingRun):
         manifest.seeds = {"seed": options.seed}
         manifest.settings = {"recipe": self.recipe.model_dump(), "merge": options.merge,
                              "run_key": finished_run_key(self.work), **options.manifest_extra}
-        self.model.eval()
+        model, peft = self._unsharded_model() if self.sharded else (self.model, self.peft)
+        model.eval()
         with atomic_output_dir(self.out, overwrite=options.overwrite) as tmp:
-            kind = save_outputs(self.model, self.peft, self.tokenizer, tmp, merge=options.merge, dtype=self.save_dtype)
+            kind = save_outputs(model, peft, self.tokenizer, tmp, merge=options.merge, dtype=self.save_dtype)
             summary["format"] = kind
             manifest.results = {**summary, "log": LOG_NAME}
             shutil.copyfile(self.work / LOG_NAME, tmp / LOG_NAME)

@@ -81,6 +81,7 @@ class SearchOptions:
     device: str = "auto"                 # see engines/training/device.py for the device and dtype rule
     dtype: str = "auto"
     save_dtype: str | None = None
+    sharding: str = "auto"  # of GKD's models (engines/training/sharding.py)
 
     def __post_init__(self) -> None:
         if self.export is not None:
@@ -298,7 +299,8 @@ def _library(options: SearchOptions, reporter: Reporter, dist: Distributed) -> t
             raise InputError(f"library '{options.library}' does not exist")
         return options.library, read_library(options.library)
     path = ensure_library(options.model, options.recipe or "quick", data=options.data, seed=options.seed,
-                          allow_pickle=options.allow_pickle, reporter=reporter)
+                          allow_pickle=options.allow_pickle, device=options.device, dtype=options.dtype,
+                          save_dtype=options.save_dtype, reporter=reporter)
     dist.barrier()  # rank 0 writes the library's index after the other ranks are done
     return path, read_library(path)
 
@@ -412,7 +414,7 @@ def _build_and_distil(options: SearchOptions, library_path: Path, library: Block
         mode="gkd", teacher=library.parent.spec, student=str(staged), out=options.out, recipe=recipe,
         data=options.data, tokens=options.gkd_tokens, seed=options.seed, overwrite=options.overwrite,
         allow_pickle=options.allow_pickle, device=options.device, dtype=options.dtype, save_dtype=options.save_dtype,
-        manifest_extra={"search": search_stages}), reporter)
+        sharding=options.sharding, manifest_extra={"search": search_stages}), reporter)
     if not dist.is_main:
         return {}
     shutil.rmtree(search_work_dir(options.out), ignore_errors=True)

@@ -50,6 +50,7 @@ class StepLoop:
     checkpoint_every: int
     stop_after: int | None = None
     unit: str = "tokens"  # what `StepOutcome.units` counts, as named in the log
+    collective: bool = False  # every rank takes part in evaluation (a sharded model computes only together)
 
     @property
     def stop(self) -> int:
@@ -65,11 +66,14 @@ class StepLoop:
         """Run the remaining steps; True when the run reached its last step."""
         state = self.state
         state.extra.setdefault("train_seconds", 0.0)
+        fresh = state.step == 0 and state.log_lines == 0
         if self.dist.is_main:
             truncate_log(self.log, state.log_lines)
-            if state.step == 0 and state.log_lines == 0:
-                record = first_record() if first_record is not None else {"step": 0, self.unit: 0}
-                append_log(self.log, {**record, "eval": evaluate()}, state)
+        if fresh and (self.dist.is_main or self.collective):
+            record = first_record() if first_record is not None else {"step": 0, self.unit: 0}
+            record = {**record, "eval": evaluate()}
+            if self.dist.is_main:
+                append_log(self.log, record, state)
         self.dist.barrier()
         with self.reporter.task(title, total=self.total_steps) as task:
             task.advance(state.step)
@@ -84,13 +88,12 @@ class StepLoop:
                                           f"{self.unit}_per_s": outcome.units / seconds,
                                           "train_s": state.extra["train_seconds"]}
                 last = index + 1 == self.total_steps
-                if self.dist.is_main and ((index + 1) % self.eval_every == 0 or last):
+                if (self.dist.is_main or self.collective) and ((index + 1) % self.eval_every == 0 or last):
                     record["eval"] = evaluate()
                 if self.dist.is_main:
                     append_log(self.log, record, state)
                 if ((index + 1) % self.checkpoint_every == 0 or index + 1 == self.stop) and not last:
-                    if self.dist.is_main:
-                        checkpoint()
+                    checkpoint()  # every rank: rank 0 alone writes a replicated model, each rank its shards
                     self.dist.barrier()
                 task.advance()
                 task.update(**outcome.progress)

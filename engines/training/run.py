@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxkit.engines.core.progress import Reporter
+from mlxkit.engines.errors import InputError
 from mlxkit.engines.training.device import Placement
 from mlxkit.engines.training.distributed import Distributed
 from mlxkit.engines.training.work import work_dir_beside
@@ -25,8 +26,13 @@ class TrainingOptions:
     device: str = "auto"                 # see engines/training/device.py for the device and dtype rule
     dtype: str = "auto"
     save_dtype: str | None = None
+    sharding: str = "auto"               # see engines/training/sharding.py
     stop_after_steps: int | None = None  # leave a resumable checkpoint and stop (tests, time-boxed runs)
     manifest_extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.sharding not in ("auto", "fsdp", "none"):
+            raise InputError(f"--sharding must be auto, fsdp or none (got '{self.sharding}')")
 
 
 class TrainingRun:

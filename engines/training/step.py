@@ -54,3 +54,14 @@ def check_global_batch(batch: int, world_size: int, setting: str, override: str 
         fits = -(-batch // world_size) * world_size
         raise InputError(f"{setting}={batch} sequences do not split evenly over {world_size} processes: use a "
                          f"multiple of {world_size}, e.g. {override} {setting}={fits}")
+
+
+def decoder_states(model: torch.nn.Module, ids: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """(each decoder layer's output, the final normalised state) from one forward of a transformers causal LM.
+
+    The forward goes through the model's own `forward`, so the hooks of a sharded model gather its
+    root weights; only the last position's logits are computed (`logits_to_keep=1`), since the
+    losses compute theirs in chunks.
+    """
+    out = model(input_ids=ids, use_cache=False, output_hidden_states=True, logits_to_keep=1)
+    return out.hidden_states[1:], out.hidden_states[-1]
