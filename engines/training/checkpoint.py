@@ -62,11 +62,16 @@ def load_checkpoint(directory: Path, model: torch.nn.Module, optimizer: torch.op
         return None
     try:
         state = json.loads((directory / STATE).read_text())
+        if "world_size" in state:  # only sharded checkpoints record it: their weights are split over the ranks
+            raise InputError(f"checkpoint '{directory}' was written by {state['world_size']} processes in shards; "
+                             "resume it with as many under torchrun, or delete it to start over")
         if trainable_only:
             _load_trainable(model, load_file(str(directory / WEIGHTS)))
         else:
             load_weights(model, str(directory / WEIGHTS), strict=True)
         saved = torch.load(directory / OPTIMIZER, weights_only=True, map_location="cpu")
+    except InputError:
+        raise
     except (OSError, ValueError, RuntimeError, json.JSONDecodeError) as exc:
         raise InputError(f"checkpoint '{directory}' cannot be resumed ({str(exc).splitlines()[0][:200]}); "
                          "delete it to start over") from None
