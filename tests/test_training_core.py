@@ -189,3 +189,29 @@ def test_cuda_on_a_machine_without_it_is_refused_before_anything_is_written(pair
         run_distillation(DistillationOptions(mode="gkd", teacher=str(pair[0]), student=str(pair[1]),
                                              out=tmp_path / "out", recipe=loaded, data=text_file, device="cuda"))
     assert not (tmp_path / "out").exists() and not work_dir_for(tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------- the step loop's cadence
+
+def test_checkpoints_come_by_step_count_and_by_wall_time(tmp_path):
+    from mlxkit.engines.core.progress import Reporter
+    from mlxkit.engines.training.checkpoint import TrainingState
+    from mlxkit.engines.training.loop import StepLoop, StepOutcome
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    now = [0.0]
+
+    def step(index: int) -> StepOutcome:
+        now[0] += 4 * 60.0 if index < 4 else 1.0  # four slow steps, then fast ones
+        return StepOutcome({"loss": 1.0}, 10)
+
+    taken: list[int] = []
+    state = TrainingState(0, 0, 0, {})
+    loop = StepLoop(tmp_path / "log.jsonl", Distributed(), Reporter(), state, total_steps=12, eval_every=100,
+                    checkpoint_every=5, checkpoint_minutes=10.0, clock=lambda: now[0])
+    assert loop.run(title="t", step=step, evaluate=lambda: {}, optimizer=optimizer,
+                    checkpoint=lambda: taken.append(state.step))
+    # 12 minutes after the start at step 3 (wall time), then step 5 and step 10 (count); none after the last step.
+    assert taken == [3, 5, 10]
+    records = loop.records()
+    assert [r["step"] for r in records] == list(range(13)) and records[-1]["tokens"] == 120

@@ -39,7 +39,8 @@ class DataSpec(_Strict):
 class ScheduleSpec(_Strict):
     tokens: int = Field(65536, ge=1)
     eval_every: int = Field(8, ge=1)
-    checkpoint_every: int = Field(4, ge=1)
+    checkpoint_every: int = Field(200, ge=1)
+    checkpoint_minutes: float = Field(10.0, ge=0, allow_inf_nan=False)  # also after this much wall time; 0: off
 
 
 class DistillRecipe(_Strict):

@@ -266,7 +266,8 @@ class DistillationRun(TrainingRun):
         """Run the remaining steps; returns the summary, or None when stopped early or on a non-main rank."""
         schedule = self.recipe.schedule
         loop = StepLoop(self.work / LOG_NAME, self.dist, self.reporter, self.state, self.steps, schedule.eval_every,
-                        schedule.checkpoint_every, self.options.stop_after_steps, collective=self.sharded)
+                        schedule.checkpoint_every, self.options.stop_after_steps, collective=self.sharded,
+                        checkpoint_minutes=schedule.checkpoint_minutes)
         tokens_per_step = self.recipe.optim.batch_sequences * self.seq_len
         finished = loop.run(title=f"{self.options.mode.upper()}: {self.steps} steps of {tokens_per_step} tokens",
                             step=self.train_step, evaluate=self.evaluate, optimizer=self.optimizer,

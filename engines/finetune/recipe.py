@@ -62,6 +62,7 @@ class ScheduleSpec(_Strict):
     steps: int = Field(100, ge=1)
     eval_every: int = Field(20, ge=1)
     checkpoint_every: int = Field(20, ge=1)
+    checkpoint_minutes: float = Field(10.0, ge=0, allow_inf_nan=False)  # also after this much wall time; 0: off
 
 
 class FinetuneRecipe(_Strict):

@@ -231,7 +231,8 @@ class FinetuneRun(TrainingRun):
         """Run the remaining steps; returns the summary, or None when stopped early or on a non-main rank."""
         schedule = self.recipe.schedule
         loop = StepLoop(self.work / LOG_NAME, self.dist, self.reporter, self.state, self.steps, schedule.eval_every,
-                        schedule.checkpoint_every, self.options.stop_after_steps, collective=self.sharded)
+                        schedule.checkpoint_every, self.options.stop_after_steps, collective=self.sharded,
+                        checkpoint_minutes=schedule.checkpoint_minutes)
         finished = loop.run(title=f"{self.recipe.method}: {self.steps} steps of {self.recipe.optim.batch_sequences} "
                                   "sequences", step=self.train_step, evaluate=self.evaluate, optimizer=self.optimizer,
                             checkpoint=self._save_checkpoint)

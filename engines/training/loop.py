@@ -7,9 +7,11 @@ loop does the rest the same way for all of them:
   training) is cut back to the checkpoint's position on resume, so a resumed log equals an
   uninterrupted one;
 * evaluation runs on rank 0 every `eval_every` steps and after the last;
-* a checkpoint is taken every `checkpoint_every` steps and where a time-boxed run stops
-  (`stop_after`), never after the last step (the output follows at once); other ranks wait
-  for it at a barrier;
+* a checkpoint is taken every `checkpoint_every` steps, whenever `checkpoint_minutes` of wall
+  time have passed since the last one (so a killed run loses at most that much, however long
+  its steps), and where a time-boxed run stops (`stop_after`); never after the last step (the
+  output follows at once). Rank 0's clock decides for every rank, and the others wait for the
+  checkpoint at a barrier;
 * each record carries the step's wall time, its throughput and the running training time,
   which is kept in the checkpoint, so a resumed run reports the time of the whole run.
 """
@@ -51,6 +53,8 @@ class StepLoop:
     stop_after: int | None = None
     unit: str = "tokens"  # what `StepOutcome.units` counts, as named in the log
     collective: bool = False  # every rank takes part in evaluation (a sharded model computes only together)
+    checkpoint_minutes: float = 0.0  # 0: by step count only
+    clock: Callable[[], float] = time.monotonic
 
     @property
     def stop(self) -> int:
@@ -75,6 +79,7 @@ class StepLoop:
             if self.dist.is_main:
                 append_log(self.log, record, state)
         self.dist.barrier()
+        last_checkpoint = self.clock()
         with self.reporter.task(title, total=self.total_steps) as task:
             task.advance(state.step)
             for index in range(state.step, self.stop):
@@ -92,12 +97,20 @@ class StepLoop:
                     record["eval"] = evaluate()
                 if self.dist.is_main:
                     append_log(self.log, record, state)
-                if ((index + 1) % self.checkpoint_every == 0 or index + 1 == self.stop) and not last:
+                due = (index + 1) % self.checkpoint_every == 0 or index + 1 == self.stop or self._time_is_up(
+                    last_checkpoint)
+                if due and not last:
                     checkpoint()  # every rank: rank 0 alone writes a replicated model, each rank its shards
                     self.dist.barrier()
+                    last_checkpoint = self.clock()
                 task.advance()
                 task.update(**outcome.progress)
         return self.finished
+
+    def _time_is_up(self, since: float) -> bool:
+        if self.checkpoint_minutes <= 0:
+            return False
+        return bool(self.dist.broadcast_object(None, build=lambda: self.clock() - since >= 60 * self.checkpoint_minutes))
 
     def records(self) -> list[dict[str, Any]]:
         return [json.loads(line) for line in self.log.read_text().splitlines()]
