@@ -207,3 +207,48 @@ def test_missing_gpu_is_one_error_line(verb, json_out, tiny_llama_dir, text_file
 def test_unknown_device_is_a_usage_error(verb, tiny_llama_dir, text_file, tmp_path, merge_models):
     args, _ = _cuda_cases(tiny_llama_dir, text_file, tmp_path, merge_models)[verb]
     _one_error_line(runner.invoke(app, [*args, "--device", "tpu"]), 2, "unknown device 'tpu'")
+
+
+# ----------------------------------------------------------------------------- the training verbs in bfloat16
+
+def _safetensors_dtypes(directory, pattern: str = "*.safetensors") -> set[str]:
+    from safetensors import safe_open
+
+    found = set()
+    for file in directory.glob(pattern):
+        with safe_open(str(file), "pt") as handle:
+            found |= {str(handle.get_slice(name).get_dtype()) for name in handle.keys()}
+    return found
+
+
+TRAIN_SETS = ["--set", "data.seq_len=32", "--set", "data.held_out_sequences=2", "--set", "optim.batch_sequences=2",
+              "--set", "optim.micro_batch_sequences=1", "--set", "schedule.eval_every=2"]
+
+
+def test_search_with_gkd_runs_in_bfloat16_and_writes_a_bfloat16_child(built_library, text_file, tmp_path):
+    payload = _ok(runner.invoke(app, ["search", "--library", str(built_library), "--throughput", "1.3x", "--data",
+                                      str(text_file), "--out", str(tmp_path / "child"), "--gkd-tokens", "128",
+                                      "--device", "cpu", "--dtype", "bfloat16", "--json", *TRAIN_SETS]))
+    assert payload["gkd"]["compute_dtype"] == "bfloat16" and payload["gkd"]["saved_dtype"] == "bfloat16"
+    assert _safetensors_dtypes(tmp_path / "child") == {"BF16"}
+    assert payload["gkd"]["after"]["kl_div"] == payload["gkd"]["after"]["kl_div"]  # finite, not NaN
+
+
+def test_distill_kd_runs_in_bfloat16_and_save_dtype_overrides(tiny_llama_dir, reference_dir, text_file, tmp_path):
+    from conftest import make_char_tokenizer
+
+    make_char_tokenizer().save_pretrained(reference_dir)
+    args = ["distill", "--kd", "--teacher", str(reference_dir), "--student", str(tiny_llama_dir), "--data",
+            str(text_file), "--tokens", "128", "--device", "cpu", "--dtype", "bfloat16", "--json", *TRAIN_SETS]
+    payload = _ok(runner.invoke(app, [*args, "--out", str(tmp_path / "kd")]))
+    assert payload["compute_dtype"] == "bfloat16" and _safetensors_dtypes(tmp_path / "kd") == {"BF16"}
+    _ok(runner.invoke(app, [*args, "--out", str(tmp_path / "kd32"), "--save-dtype", "float32"]))
+    assert _safetensors_dtypes(tmp_path / "kd32") == {"F32"}
+
+
+def test_finetune_lora_runs_in_bfloat16(tiny_llama_dir, text_file, tmp_path):
+    payload = _ok(runner.invoke(app, ["finetune", "--recipe", "lora", "--model", str(tiny_llama_dir), "--data",
+                                      str(text_file), "--steps", "2", "--out", str(tmp_path / "adapter"),
+                                      "--device", "cpu", "--dtype", "bfloat16", "--json", *TRAIN_SETS]))
+    assert payload["compute_dtype"] == "bfloat16"
+    assert _safetensors_dtypes(tmp_path / "adapter", "adapter_model.safetensors") == {"BF16"}
