@@ -109,6 +109,20 @@ def tiny_llama_dir(tmp_path) -> Path:
     return out
 
 
+def save_with_tokenizer(model, path: Path) -> Path:
+    """`model` saved as an HF directory with the byte-level tokenizer."""
+    model.save_pretrained(path)
+    make_char_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def pair(tmp_path) -> tuple[Path, Path]:
+    """A tiny teacher and a student of the same shape with other weights."""
+    return (save_with_tokenizer(make_tiny_llama(seed=0), tmp_path / "teacher"),
+            save_with_tokenizer(make_tiny_llama(seed=1), tmp_path / "student"))
+
+
 @pytest.fixture
 def text_file(tmp_path) -> Path:
     """A tiny generated ASCII corpus (400 lines, about 22,000 characters), the same on every machine."""

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from conftest import REPO, make_char_tokenizer, make_tiny_llama
+from conftest import REPO, make_char_tokenizer, make_tiny_llama, save_with_tokenizer
 from mlxkit.cli.main import app
 from mlxkit.engines.distill.losses import cosine_distance_sum, logit_term_sums
 from mlxkit.engines.distill.recipe import load_distill_recipe
@@ -30,16 +30,6 @@ TINY = {"data.seq_len": 32, "data.held_out_sequences": 2, "optim.batch_sequences
 STEPS = 6
 
 
-def _save(model, path: Path) -> Path:
-    model.save_pretrained(path)
-    make_char_tokenizer().save_pretrained(path)
-    return path
-
-
-@pytest.fixture
-def pair(tmp_path):
-    """A tiny teacher and a student of the same shape with other weights."""
-    return _save(make_tiny_llama(seed=0), tmp_path / "teacher"), _save(make_tiny_llama(seed=1), tmp_path / "student")
 
 
 def _options(pair, text_file, out, mode="gkd", **overrides):
@@ -173,20 +163,20 @@ def test_two_processes_match_one_with_the_same_global_batch(pair, text_file, tmp
 # ----------------------------------------------------------------------------- errors before any work
 
 def test_kd_refuses_a_student_with_another_vocabulary(pair, text_file, tmp_path):
-    other = _save(make_tiny_llama(seed=2, vocab_size=100), tmp_path / "other")
+    other = save_with_tokenizer(make_tiny_llama(seed=2, vocab_size=100), tmp_path / "other")
     with pytest.raises(InputError, match="different vocabularies"):
         run_distillation(_options((pair[0], other), text_file, tmp_path / "out", mode="kd"))
     assert not work_dir_for(tmp_path / "out").exists()
 
 
 def test_gkd_names_a_width_mismatch_as_such(pair, text_file, tmp_path):
-    wide = _save(make_tiny_llama(seed=2, hidden_size=48), tmp_path / "wide")
+    wide = save_with_tokenizer(make_tiny_llama(seed=2, hidden_size=48), tmp_path / "wide")
     with pytest.raises(InputError, match="hidden size"):
         run_distillation(_options((pair[0], wide), text_file, tmp_path / "out"))
 
 
 def test_kd_trains_a_narrower_student(pair, text_file, tmp_path):
-    narrow = _save(make_tiny_llama(seed=2, hidden_size=16, num_attention_heads=2, num_key_value_heads=1,
+    narrow = save_with_tokenizer(make_tiny_llama(seed=2, hidden_size=16, num_attention_heads=2, num_key_value_heads=1,
                                    num_hidden_layers=1), tmp_path / "narrow")
     summary = run_distillation(_options((pair[0], narrow), text_file, tmp_path / "out", mode="kd"))
     assert summary["after"]["kl_div"] < summary["before"]["kl_div"]

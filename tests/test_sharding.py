@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, make_char_tokenizer, make_tiny_llama
+from conftest import REPO, make_tiny_llama
 from mlxkit.engines.distill.recipe import load_distill_recipe
 from mlxkit.engines.distill.trainer import DistillationOptions, run_distillation, work_dir_for
 from mlxkit.engines.finetune.recipe import load_finetune_recipe
@@ -33,15 +33,6 @@ ENV = {**os.environ, "MLXKIT_BACKEND": "gloo", "OMP_NUM_THREADS": "1", "MLXKIT_T
 ATOL = 2e-5
 
 
-def _save(model, path: Path) -> Path:
-    model.save_pretrained(path)
-    make_char_tokenizer().save_pretrained(path)
-    return path
-
-
-@pytest.fixture
-def pair(tmp_path):
-    return _save(make_tiny_llama(seed=0), tmp_path / "teacher"), _save(make_tiny_llama(seed=1), tmp_path / "student")
 
 
 def _weights(out: Path, pattern: str = "*.safetensors") -> dict[str, torch.Tensor]:

@@ -11,7 +11,6 @@ import torch
 from safetensors import safe_open
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from conftest import make_char_tokenizer, make_tiny_llama
 from mlxkit.engines.distill.recipe import load_distill_recipe
 from mlxkit.engines.distill.trainer import DistillationOptions, run_distillation, work_dir_for
 from mlxkit.engines.errors import BackendError, InputError
@@ -28,15 +27,6 @@ DISTILL = {"data.seq_len": 32, "data.held_out_sequences": 2, "optim.batch_sequen
 STEPS = 3
 
 
-def _save(model, path: Path) -> Path:
-    model.save_pretrained(path)
-    make_char_tokenizer().save_pretrained(path)
-    return path
-
-
-@pytest.fixture
-def pair(tmp_path):
-    return _save(make_tiny_llama(seed=0), tmp_path / "teacher"), _save(make_tiny_llama(seed=1), tmp_path / "student")
 
 
 def _dtypes(directory: Path, pattern: str = "*.safetensors") -> set[str]:
