@@ -19,14 +19,13 @@ dtype, or in an explicit --dtype, or in --save-dtype when given. The run key rec
 compute and save dtypes, so a directory is never resumed in another precision.
 
 `ensure_library` is the build-if-missing entry `mlx search` uses: one cached library per
-(parent, recipe) under `MLXKIT_CACHE/libraries/`.
+(parent weights, recipe contents, data, seed, dtypes) under `MLXKIT_CACHE/libraries/`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -36,7 +35,7 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 
-from mlxkit.engines.core.atomic import atomic_file
+from mlxkit.engines.core.atomic import atomic_file, atomic_write_json
 from mlxkit.engines.training.distributed import Distributed
 from mlxkit.engines.core.manifest import Manifest, content_hash
 from mlxkit.engines.core.paths import cache_dir
@@ -394,30 +393,90 @@ def summarise(library: BlockLibrary) -> dict[str, Any]:
             "median_kl_nontrivial": statistics.median(kls) if kls else None, "per_layer": per_layer}
 
 
-def default_library_dir(model: str, recipe: str) -> Path:
-    """Where `mlx search` caches the library of (model, recipe): keyed by the model and the recipe."""
-    model_key = os.path.abspath(model) if os.path.exists(model) else model
-    if recipe.endswith((".yaml", ".yml")):  # a user's recipe file: keyed by its path, named by its stem
-        return cache_dir() / "libraries" / f"{_digest(model_key + '|' + os.path.abspath(recipe))}-{Path(recipe).stem}"
-    return cache_dir() / "libraries" / f"{_digest(model_key)}-{recipe}"
+# The layout of block files and scores a cached library holds; a new layout gets a new number,
+# so `mlx search` never reuses a library whose blocks it would read differently.
+BLOCK_FORMAT_VERSION = 1
+
+
+def library_cache_key(model: str, recipe: str, *, data: Path | None = None, seed: int = 0, device: str = "auto",
+                      dtype: str = "auto", save_dtype: str | None = None,
+                      reporter: Reporter | None = None) -> dict[str, Any]:
+    """Everything a cached library depends on: the parent's weights, the recipe's contents, the data,
+    the seed, the compute and save dtypes and the block format.
+
+    The parent is its files' content hash (a directory, a .gguf file, or the directory an alias
+    resolves to); a hub id, which has no local files, is its spec. The recipe is its validated
+    contents, so a YAML file edited in place is another recipe.
+    """
+    from mlxkit.engines.models.loading import resolve_spec
+
+    source = resolve_spec(model, reporter)
+    placement = Placement.resolve(device, dtype)
+    if data is not None:
+        data = check_data_path(data)
+    return {
+        "parent": _weights_hash(source.path) if source.path is not None else f"hub:{source.hub_id}",
+        "recipe": load_recipe(recipe).model_dump(mode="json"),
+        "data": content_hash(data) if data is not None else "sampled",
+        "seed": seed,
+        "compute_dtype": dtype_name(placement.dtype),
+        "save_dtype": dtype_name(placement.save_dtype(source_dtype(source), save_dtype)),
+        "block_format": BLOCK_FORMAT_VERSION,
+    }
+
+
+def default_library_dir(model: str, recipe: str, *, data: Path | None = None, seed: int = 0, device: str = "auto",
+                        dtype: str = "auto", save_dtype: str | None = None, reporter: Reporter | None = None) -> Path:
+    """Where `mlx search` caches the library of these inputs: named by a digest of `library_cache_key`
+    and the recipe (a recipe file by its stem)."""
+    key = library_cache_key(model, recipe, data=data, seed=seed, device=device, dtype=dtype, save_dtype=save_dtype,
+                            reporter=reporter)
+    name = Path(recipe).stem if recipe.endswith((".yaml", ".yml")) else recipe
+    return cache_dir() / "libraries" / f"{_digest(json.dumps(key, sort_keys=True))}-{name}"
 
 
 def ensure_library(model: str, recipe: str, *, data: Path | None = None, seed: int = 0, allow_pickle: bool = False,
                    device: str = "auto", dtype: str = "auto", save_dtype: str | None = None,
                    reporter: Reporter | None = None) -> Path:
-    """The cached library directory of (model, recipe), built and scored first if it has no index yet.
+    """The cached library of (model weights, recipe contents, data, seed, dtypes), built and scored
+    first if it has no index yet; a reused one is announced with the data and seed that built it.
 
-    `device`, `dtype` and `save_dtype` follow `DistillOptions` (and apply only when the library is built).
+    `device`, `dtype` and `save_dtype` follow `DistillOptions`.
     """
     reporter = reporter or Reporter()
-    path = default_library_dir(model, recipe)
-    if not LibraryDir(path).index_file.exists():
-        reporter.notice(f"building the '{recipe}' block library for {model} at {path} "
-                        "(resumable; reused by later searches)")
-        run_distill(DistillOptions(model=model, out=path, recipe=load_recipe(recipe), data=data, seed=seed,
-                                   allow_pickle=allow_pickle, device=device, dtype=dtype, save_dtype=save_dtype),
-                    reporter)
+    path = default_library_dir(model, recipe, data=data, seed=seed, device=device, dtype=dtype,
+                               save_dtype=save_dtype, reporter=reporter)
+    if LibraryDir(path).index_file.exists():
+        built = read_library(path)
+        reporter.notice(f"reusing the '{recipe}' block library of {model} at {path} "
+                        f"(built from {built.calibration or 'unknown data'}, seed {built.seed})")
+        return path
+    reporter.notice(f"building the '{recipe}' block library for {model} at {path} "
+                    "(resumable; reused by later searches with the same inputs)")
+    run_distill(DistillOptions(model=model, out=path, recipe=load_recipe(recipe), data=data, seed=seed,
+                               allow_pickle=allow_pickle, device=device, dtype=dtype, save_dtype=save_dtype),
+                reporter)
     return path
+
+
+def _weights_hash(path: Path) -> str:
+    """`content_hash` of a model's files, remembered by their names, sizes, mtimes and inodes.
+
+    Hashing a large parent in full takes minutes, and every search asks again: the hash is
+    recomputed only when a file is added, removed, resized, or rewritten (a new mtime or inode).
+    """
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    stats = [[str(f), f.stat().st_size, f.stat().st_mtime_ns, f.stat().st_ino] for f in files]
+    memo = cache_dir() / "hashes" / f"{_digest(str(path.resolve()))}.json"
+    try:
+        remembered = json.loads(memo.read_text())
+        if remembered.get("files") == stats:
+            return remembered["hash"]
+    except (OSError, ValueError, AttributeError, KeyError):
+        pass
+    digest = content_hash(path)
+    atomic_write_json(memo, {"files": stats, "hash": digest})
+    return digest
 
 
 def _digest(text: str) -> str:
