@@ -12,7 +12,7 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from mlxkit.engines.errors import InputError, ModelLoadError
 from mlxkit.engines.io.safetensors_header import read_safetensors_header
@@ -132,10 +132,7 @@ class LazyTensorLoader:
         size = info.end - info.start
         buf = bytearray(size)
         with self._lock:
-            if self._file != info.file:
-                self._close_fd()
-                self._fd = os.open(self.index.directory / info.file, os.O_RDONLY)
-                self._file = info.file
+            self._open(info.file)
             view, done = memoryview(buf), 0
             while done < size:
                 got = os.preadv(self._fd, [view[done:]], info.start + done)
@@ -148,6 +145,38 @@ class LazyTensorLoader:
         else:
             tensor = torch.frombuffer(buf, dtype=dtype).reshape(info.shape)
         return tensor if self.device == "cpu" else tensor.to(self.device)
+
+    def get_elements(self, name: str, indices: Sequence[int]):
+        """The elements at flat positions `indices` of tensor `name`, as a 1-D CPU tensor of the stored dtype.
+
+        Reads only those elements' bytes (one positioned read each), so sampling a few values of
+        a large tensor costs no more than the values.
+        """
+        import torch
+
+        info = self.info(name)
+        dtype = getattr(torch, info.dtype)
+        width = torch.empty((), dtype=dtype).element_size()
+        numel = info.numel
+        buf = bytearray(width * len(indices))
+        with self._lock:
+            self._open(info.file)
+            for k, index in enumerate(indices):
+                if not 0 <= index < numel:
+                    raise InputError(f"element {index} is outside tensor '{name}' of {numel} elements")
+                got = os.preadv(self._fd, [memoryview(buf)[k * width:(k + 1) * width]], info.start + index * width)
+                if got != width:
+                    raise ModelLoadError(f"'{self.index.directory / info.file}' ends inside tensor '{name}'")
+        if not buf:
+            return torch.empty(0, dtype=dtype)
+        return torch.frombuffer(buf, dtype=dtype).clone()
+
+    def _open(self, file: str) -> None:
+        """Make `file` the open shard (the caller holds the lock)."""
+        if self._file != file:
+            self._close_fd()
+            self._fd = os.open(self.index.directory / file, os.O_RDONLY)
+            self._file = file
 
     def _close_fd(self) -> None:
         if self._fd is not None:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+import contextlib
+from typing import Container, Iterator, Sequence
 
 import torch
 
@@ -86,3 +87,159 @@ def _add_zero_o_proj_bias(parent_model) -> None:
         if o_proj.bias is None:
             o_proj.bias = torch.nn.Parameter(torch.zeros(o_proj.out_features, dtype=o_proj.weight.dtype,
                                                          device=o_proj.weight.device))
+
+
+def parent_skeleton(parent_config) -> MlxDeciLMForCausalLM:
+    """The parent of `parent_config` as an `MlxDeciLMForCausalLM` on the meta device: no weights, but
+    real RoPE buffers (computed on the CPU in float32, as `from_parent` makes them).
+
+    Parameters do not require gradients: a parent is only ever run.
+    """
+    config = child_config(parent_config)
+    config._attn_implementation = getattr(parent_config, "_attn_implementation", None) or "sdpa"
+    with torch.device("meta"):
+        model = MlxDeciLMForCausalLM(config)
+    model.requires_grad_(False)
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
+    return model.eval()
+
+
+def parent_file_name(name: str, parent_config, stored: Container[str]) -> str | None:
+    """The name, in the parent's own checkpoint (whose tensor names are `stored`), of the converted
+    parent's tensor `name`; None for a tensor `from_parent` fills with zeros.
+
+    The Llama-family layout and the converted class share their names; a tied head is the
+    embedding; Qwen2 checkpoints have no o_proj bias, which the converted class holds as zeros.
+    """
+    if name == "lm_head.weight" and parent_config.tie_word_embeddings:
+        return "model.embed_tokens.weight"
+    if name not in stored and parent_config.model_type == "qwen2" and name.endswith(".self_attn.o_proj.bias"):
+        return None
+    return name
+
+
+class StreamedParent:
+    """A parent whose decoder layers stay in its safetensors files until they are held.
+
+    `model` is the converted parent (`from_parent`'s class and names) with its embedding, final
+    norm, head and RoPE buffers resident on `device` in `dtype`, and every decoder layer on the
+    meta device. `hold(i)` reads layer i one tensor at a time (`LazyTensorLoader`), cast to
+    `dtype` as `from_pretrained(dtype=...)` casts, and gives it back to the meta device when the
+    last holder exits. Every tensor read is checked for NaN and infinity, the check
+    `check_finite_weights` makes of a resident parent.
+    """
+
+    streamed = True
+
+    def __init__(self, model: MlxDeciLMForCausalLM, loader, files: dict[str, str | None], *, dtype: torch.dtype,
+                 device: torch.device, spec: str) -> None:
+        self.model, self.loader, self.files = model, loader, files
+        self.dtype, self.device, self.spec = dtype, device, spec
+        self._holders: dict[int, int] = {}
+
+    @classmethod
+    def open(cls, directory, parent_config, *, dtype: torch.dtype, device: torch.device | str,
+             spec: str) -> "StreamedParent | None":
+        """The parent stored at `directory`, or None when its files do not hold exactly the tensors
+        (names and shapes) the converted class expects, in which case only a full load can read it."""
+        from mlxkit.engines.io.lazy_loader import LazyTensorLoader
+
+        check_parent(parent_config)
+        model = parent_skeleton(parent_config)
+        loader = LazyTensorLoader.from_path(directory)
+        files: dict[str, str | None] = {}
+        for name, tensor in model.state_dict().items():
+            files[name] = parent_file_name(name, parent_config, loader.index)
+            if files[name] is not None and (files[name] not in loader.index
+                                            or loader.info(files[name]).shape != tuple(tensor.shape)):
+                loader.close()
+                return None
+        device = torch.device(device)
+        parent = cls(model, loader, files, dtype=dtype, device=device, spec=spec)
+        model.model.rotary_emb.to(device)
+        tied = model.config.tie_word_embeddings
+        names = [name for name in files if not name.startswith("model.layers.")
+                 and not (tied and name == "lm_head.weight")]  # a tied head is the embedding, read once
+        model.load_state_dict({name: parent._read(name) for name in names}, strict=False, assign=True)
+        if tied:
+            model.tie_weights()
+        return parent
+
+    @property
+    def config(self):
+        return self.model.config
+
+    def _read(self, name: str) -> torch.Tensor:
+        """The converted parent's tensor `name`, from the files, in the compute dtype on the device."""
+        from mlxkit.engines.errors import NonFiniteError
+
+        file_name = self.files[name]
+        if file_name is None:
+            shape = self.model.get_parameter(name).shape
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        tensor = self.loader.get_tensor(file_name)
+        if tensor.is_floating_point():
+            tensor = tensor.to(self.dtype)
+            if not torch.isfinite(tensor).all():
+                raise NonFiniteError(f"model '{self.spec}' has NaN or infinite values in '{file_name}'")
+        return tensor.to(self.device)
+
+    def sampled_values(self, name: str, stride: int, count: int) -> torch.Tensor:
+        """`tensor.reshape(-1)[::stride][:count]` of the converted parent's tensor `name`, in float32 on the
+        CPU, read element by element (the values `model_fingerprint` samples, without reading the tensor)."""
+        file_name = self.files[name]
+        indices = range(0, self.model.get_parameter(name).numel(), stride)[:count]
+        if file_name is None:
+            return torch.zeros(len(indices), dtype=torch.float32)
+        values = self.loader.get_elements(file_name, indices)
+        return values.to(self.dtype).to(torch.float32)
+
+    def layer_names(self, index: int) -> list[str]:
+        prefix = f"model.layers.{index}."
+        return [name for name in self.files if name.startswith(prefix)]
+
+    @contextlib.contextmanager
+    def hold(self, index: int) -> Iterator[torch.nn.Module]:
+        """Decoder layer `index`, read from the files for as long as someone holds it."""
+        layer = self.model.model.layers[index]
+        if not self._holders.get(index):
+            prefix = f"model.layers.{index}."
+            layer.load_state_dict({name[len(prefix):]: self._read(name) for name in self.layer_names(index)},
+                                  strict=True, assign=True)
+        self._holders[index] = self._holders.get(index, 0) + 1
+        try:
+            yield layer
+        finally:
+            self._holders[index] -= 1
+            if not self._holders[index]:
+                layer.to(device="meta")
+
+    def held(self) -> list[int]:
+        """The layers resident now."""
+        return sorted(i for i, n in self._holders.items() if n)
+
+    def close(self) -> None:
+        self.loader.close()
+
+
+class ResidentParent:
+    """A parent held whole in memory, behind `StreamedParent`'s interface (`hold` costs nothing)."""
+
+    streamed = False
+
+    def __init__(self, model: MlxDeciLMForCausalLM) -> None:
+        self.model = model
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @contextlib.contextmanager
+    def hold(self, index: int) -> Iterator[torch.nn.Module]:
+        yield self.model.model.layers[index]
+
+    def held(self) -> list[int]:
+        return list(range(len(self.model.model.layers)))
+
+    def close(self) -> None:
+        pass
