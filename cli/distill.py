@@ -18,7 +18,10 @@ from mlxkit.cli._options import (AllowPickleOpt, DataOpt, DeviceOpt, DtypeOpt, J
 def distill_command(
     out: Annotated[Path, typer.Option("--out", "-o", help="Library directory (--bld) or distilled model (--gkd/--kd); "
                                       "an unfinished run there is resumed.")],
-    bld: Annotated[bool, typer.Option("--bld", help="Blockwise local distillation of the block library.")] = False,
+    bld: Annotated[bool, typer.Option("--bld", help="Blockwise local distillation of the block library. The parent "
+                                      "is streamed from its safetensors files: memory is a few decoder layers, one "
+                                      "layer's cached activations, and the embedding and head (a .gguf or hub parent, "
+                                      "and sampling without --data, hold the whole parent).")] = False,
     gkd: Annotated[bool, typer.Option("--gkd", help="Global distillation of an assembled child against its parent "
                                       "(cosine on every layer's hidden states + logit KL).")] = False,
     kd: Annotated[bool, typer.Option("--kd", help="Plain KD: forward KL at a temperature mixed with cross-entropy.")] = False,

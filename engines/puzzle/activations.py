@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from mlxkit.engines.core.atomic import atomic_file
@@ -60,32 +61,70 @@ def layer_states(layer, states: dict[str, torch.Tensor], pos,
         for chunk in h.split(batch_sequences):
             delta = layer.attention_delta(chunk, pos)
             mid = chunk if delta is None else chunk + delta
-            delta = layer.ffn_delta(mid)
             mids.append(mid)
-            outs.append(mid if delta is None else mid + delta)
+            outs.append(_ffn_output(layer, mid))
         tensors[f"{split}_in"], tensors[f"{split}_mid"] = h, torch.cat(mids)
         outputs[split] = torch.cat(outs)
     return tensors, outputs
 
 
+def _ffn_output(layer, mid: torch.Tensor) -> torch.Tensor:
+    delta = layer.ffn_delta(mid)
+    return mid if delta is None else mid + delta
+
+
+def layer_outputs(layer, mids: dict[str, torch.Tensor], batch_sequences: int = 8) -> dict[str, torch.Tensor]:
+    """The states leaving a layer, from its cached mid-states: its FFN half alone, chunked as
+    `layer_states` chunks, so the result is the one `layer_states` returned."""
+    # Each chunk is a fresh allocation, as the mid-states `layer_states` fed the FFN were.
+    return {split: torch.cat([_ffn_output(layer, chunk.clone()) for chunk in mid.split(batch_sequences)])
+            for split, mid in mids.items()}
+
+
+def finished_layers(root: Path, num_layers: int) -> int:
+    """How many leading layers are cached: each layer's file is its completion mark."""
+    done = 0
+    while done < num_layers and _layer_file(root, done).exists():
+        done += 1
+    return done
+
+
 @torch.inference_mode()
 def cache_states(parent_model, train_ids: torch.Tensor, val_ids: torch.Tensor, root: Path,
-                 reporter: Reporter | None = None, batch_sequences: int = 8) -> None:
-    """Run the parent once over both splits and write one file per layer (skips if complete).
+                 reporter: Reporter | None = None, batch_sequences: int = 8, layers=None) -> None:
+    """Run the parent over both splits and write one file per layer, resuming after the last layer cached.
 
-    The states are computed on the parent's device in its dtype (the compute dtype: an
-    inference-only model is held in it) and stored in that dtype.
+    `layers` gives the parent's decoder layers one at a time (`hold(i)`: a `StreamedParent` reads
+    each from disk only while it runs); by default they are `parent_model`'s own. The states
+    are computed on the parent's device in its dtype (the compute dtype: an inference-only model
+    is held in it) and stored in that dtype.
+
+    A killed run restarts at the first layer without a file. The last cached layer's output is
+    not stored (the next layer's file would hold it, as its input), so it is recomputed from that
+    layer's cached mid-states by its FFN half alone: exactly the states the first run had, at the
+    cost of one FFN, where storing each output twice would add half again to the cache's writes.
     """
+    from mlxkit.engines.models.decilm.convert import ResidentParent
+
     reporter = reporter or Reporter()
-    layers = parent_model.model.layers
+    layers = layers if layers is not None else ResidentParent(parent_model)
+    num_layers = parent_model.config.num_hidden_layers
+    done = finished_layers(root, num_layers)
     # final.safetensors is written last, so it marks a complete cache.
-    if (root / "final.safetensors").exists() and all(_layer_file(root, i).exists() for i in range(len(layers))):
+    if done == num_layers and (root / "final.safetensors").exists():
         return
     root.mkdir(parents=True, exist_ok=True)
     pos = position_embeddings(parent_model, train_ids.shape[1])
-    states = embedded_states(parent_model, {"train": train_ids, "val": val_ids})
-    for i, layer in enumerate(reporter.track(layers, "caching parent activations")):
-        tensors, states = layer_states(layer, states, pos, batch_sequences)
+    if done == 0:
+        states = embedded_states(parent_model, {"train": train_ids, "val": val_ids})
+    else:
+        cached = load_file(str(_layer_file(root, done - 1)), device=str(module_device(parent_model)))
+        with layers.hold(done - 1) as layer:
+            states = layer_outputs(layer, {"train": cached["train_mid"], "val": cached["val_mid"]}, batch_sequences)
+        del cached
+    for i in reporter.track(range(done, num_layers), "caching parent activations"):
+        with layers.hold(i) as layer:
+            tensors, states = layer_states(layer, states, pos, batch_sequences)
         _save(tensors, _layer_file(root, i))
     _save({f"{s}_out": v for s, v in states.items()}, root / "final.safetensors")
 
@@ -110,3 +149,10 @@ def load_layer(root: Path, layer: int, num_layers: int, device: torch.device | s
 
 def load_final(root: Path, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
     return load_file(str(root / "final.safetensors"), device=str(device))
+
+
+def load_val_states(root: Path, layer: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """The held-out states entering layer `layer` and after its attention (`val_in`, `val_mid`), on
+    `device`: all that scoring reads, without the training split."""
+    with safe_open(str(_layer_file(root, layer)), framework="pt", device=str(device)) as cached:
+        return cached.get_tensor("val_in"), cached.get_tensor("val_mid")

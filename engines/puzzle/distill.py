@@ -18,12 +18,25 @@ scoring takes log-softmax and KL in float32. Block files are written in the pare
 dtype, or in an explicit --dtype, or in --save-dtype when given. The run key records the
 compute and save dtypes, so a directory is never resumed in another precision.
 
+Memory: the parent is streamed from its safetensors files. Each rank holds the embedding, the
+final norm and the head, plus the one decoder layer in use (caching the activations runs the
+layers in turn; BLD initialises a layer's variants from that parent layer alone; scoring walks
+the tail once per pass, one layer at a time), and the cached activations of one layer. Two
+cases hold the whole parent: sampling calibration text (no --data), which runs `generate` on
+the full model, loads it only for the sampling and frees it before anything else; and a parent
+that is not a directory of safetensors in the Llama layout (a .gguf file, a hub id, pickle
+weights), which is converted in memory as a whole (`DistillOptions(stream=False)` asks for that
+path too; it is the reference the streamed one is tested against).
+
 `ensure_library` is the build-if-missing entry `mlx search` uses: one cached library per
 (parent weights, recipe contents, data, seed, dtypes) under `MLXKIT_CACHE/libraries/`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import gc
 import hashlib
 import json
 import statistics
@@ -45,15 +58,16 @@ from mlxkit.engines.data.sampled import model_fingerprint
 from mlxkit.engines.data.text import check_data_path
 from mlxkit.engines.errors import InputError
 from mlxkit.engines.models.decilm.blocks import AttentionVariant, FFNVariant, ParentShape, parent_attention, parent_ffn
-from mlxkit.engines.models.decilm.convert import from_parent
-from mlxkit.engines.models.loading import check_finite_weights, load_model, source_dtype
+from mlxkit.engines.models.decilm.convert import ResidentParent, StreamedParent, from_parent
+from mlxkit.engines.models.loading import (check_finite_weights, check_local_weights, load_config, load_model,
+                                           load_tokenizer, resolve_spec, source_dtype)
 from mlxkit.engines.puzzle import activations
 from mlxkit.engines.puzzle.block_init import initialise
 from mlxkit.engines.puzzle.bld import train_subblock
 from mlxkit.engines.puzzle.library import LibraryDir, read_library, write_library
 from mlxkit.engines.puzzle.library_schema import BlockLibrary, BlockRecord, LayerEntry, ParentInfo, RunKey
 from mlxkit.engines.puzzle.recipe import PuzzleRecipe, load_recipe
-from mlxkit.engines.puzzle.scoring import ParentTail, parent_metrics, score_subblock
+from mlxkit.engines.puzzle.scoring import ParentTail, Replacement, parent_metrics, score_streamed, score_subblock
 from mlxkit.engines.puzzle.search_space import SearchSpace, build_search_space
 from mlxkit.engines.puzzle.subblocks import SubblockKind, parent_subblock
 from mlxkit.engines.training.device import Placement, dtype_name
@@ -78,6 +92,7 @@ class DistillOptions:
     device: str = "auto"                 # see engines/training/device.py for the device and dtype rule
     dtype: str = "auto"
     save_dtype: str | None = None
+    stream: bool = True                  # False: hold the whole parent in memory (the reference path)
 
 
 @dataclass(frozen=True)
@@ -105,6 +120,7 @@ def run_distill(options: DistillOptions, reporter: Reporter | None = None) -> di
     started = time.time()
     placement = Placement.resolve(options.device, options.dtype)
     dist = Distributed.from_env(placement.device)
+    stack = contextlib.ExitStack()
     try:
         if options.out.exists() and not options.out.is_dir():
             raise InputError(f"--out '{options.out}' is a file; a block library is a directory")
@@ -113,20 +129,21 @@ def run_distill(options: DistillOptions, reporter: Reporter | None = None) -> di
         library = LibraryDir(options.out)
         if options.score_only:
             read_library(options.out)  # must exist and validate
-        parent, tokenizer, source = _load_parent(options, placement, reporter)
+        parent, layers, tokenizer, source = _open_parent(options, placement, reporter)
+        stack.callback(layers.close)
         precision = Precision(placement, placement.save_dtype(source_dtype(source), options.save_dtype))
         space = build_search_space(ParentShape.from_config(parent.config), options.recipe.search_space)
-        key = _check_or_write_state(library, options, parent, precision, dist)
-        train_ids, val_ids = _calibration_tokens(options, parent, tokenizer, library, dist, reporter)
+        key = _check_or_write_state(library, options, layers, precision, dist)
+        train_ids, val_ids = _calibration_tokens(options, layers, tokenizer, library, placement, dist, reporter)
         states_dir = library.work / "activations"
         if dist.is_main:
-            activations.cache_states(parent, train_ids, val_ids, states_dir, reporter)
+            activations.cache_states(parent, train_ids, val_ids, states_dir, reporter, layers=layers)
         dist.barrier()
         if not options.score_only:
-            _build_blocks(parent, space, library, options, precision, dist, reporter)
+            _build_blocks(parent, layers, space, library, options, precision, dist, reporter)
         dist.barrier()
         if options.score or options.score_only:
-            _score(parent, space, library, val_ids, placement, dist, reporter)
+            _score(parent, layers, space, library, val_ids, placement, dist, reporter)
         dist.barrier()
         summary: dict[str, Any] = {}
         if dist.is_main:
@@ -136,7 +153,29 @@ def run_distill(options: DistillOptions, reporter: Reporter | None = None) -> di
             summary["wall_time_s"] = round(time.time() - started, 1)
         return summary
     finally:
+        stack.close()
         dist.close()
+
+
+def _open_parent(options: DistillOptions, placement: Placement, reporter: Reporter):
+    """(converted parent, its layers, tokenizer, source): streamed from its safetensors files when it has
+    them in the Llama layout, else loaded whole (see the module docstring)."""
+    if options.stream:
+        source = resolve_spec(options.model, reporter)
+        if source.kind in ("directory", "alias") and source.path is not None and any(source.path.glob("*.safetensors")):
+            check_local_weights(source, options.allow_pickle)
+            config = load_config(str(source.path))
+            config._attn_implementation = "sdpa"
+            streamed = StreamedParent.open(source.path, config, dtype=placement.dtype, device=placement.device,
+                                           spec=options.model)
+            if streamed is not None:
+                return streamed.model, streamed, load_tokenizer(source), source
+            reason = "its safetensors files are not in the Llama layout"
+        else:
+            reason = {"gguf": "a GGUF file", "hub": "a hub id"}.get(source.kind, "stored without safetensors")
+        reporter.notice(f"the parent '{options.model}' is {reason}: holding it whole in memory")
+    parent, tokenizer, source = _load_parent(options, placement, reporter)
+    return parent, ResidentParent(parent), tokenizer, source
 
 
 def _load_parent(options: DistillOptions, placement: Placement, reporter: Reporter):
@@ -152,22 +191,40 @@ def _load_parent(options: DistillOptions, placement: Placement, reporter: Report
     return parent, loaded.tokenizer, loaded.source
 
 
-def _run_key(options: DistillOptions, parent, precision: Precision) -> RunKey:
+def _parent_fingerprint(layers: StreamedParent | ResidentParent) -> str:
+    """`model_fingerprint` of the parent, from its files when it is streamed.
+
+    The same digest as `engines/data/sampled.py`'s `model_fingerprint` (a test keeps the two
+    equal): the config, then each tensor's name, shape and 64 strided values as float32.
+    """
+    if not layers.streamed:
+        return model_fingerprint(layers.model)
+    model = layers.model
+    digest = hashlib.sha256()
+    digest.update(json.dumps(model.config.to_dict(), sort_keys=True, default=str).encode())
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(str(tuple(tensor.shape)).encode())
+        digest.update(layers.sampled_values(name, max(1, tensor.numel() // 64), 64).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def _run_key(options: DistillOptions, layers: StreamedParent | ResidentParent, precision: Precision) -> RunKey:
     data = {"spec": str(options.data), "hash": content_hash(options.data)} if options.data else "sampled"
-    return RunKey(parent=model_fingerprint(parent), data=data, seed=options.seed, data_settings=options.recipe.data,
+    return RunKey(parent=_parent_fingerprint(layers), data=data, seed=options.seed, data_settings=options.recipe.data,
                   train=options.train, bld=options.recipe.bld, search_space=options.recipe.search_space,
                   block_seed=BLOCK_SEED_RULE, compute_dtype=dtype_name(precision.placement.dtype),
                   save_dtype=dtype_name(precision.save_dtype))
 
 
-def _check_or_write_state(library: LibraryDir, options: DistillOptions, parent, precision: Precision,
-                          dist: Distributed) -> RunKey | None:
+def _check_or_write_state(library: LibraryDir, options: DistillOptions, layers: StreamedParent | ResidentParent,
+                          precision: Precision, dist: Distributed) -> RunKey | None:
     """A library directory holds one run: resuming with other inputs would mix blocks silently.
 
     Returns the key the directory's blocks were built under (None when an older mlxkit wrote
     it in another layout), which is what `library.json` records.
     """
-    key = _run_key(options, parent, precision)
+    key = _run_key(options, layers, precision)
     previous = library.read_run_key()
     if previous is not None:
         current = key.model_dump(mode="json")
@@ -196,7 +253,8 @@ def _check_or_write_state(library: LibraryDir, options: DistillOptions, parent, 
     return key
 
 
-def _calibration_tokens(options: DistillOptions, parent, tokenizer, library: LibraryDir, dist: Distributed,
+def _calibration_tokens(options: DistillOptions, layers: StreamedParent | ResidentParent, tokenizer,
+                        library: LibraryDir, placement: Placement, dist: Distributed,
                         reporter: Reporter) -> tuple[torch.Tensor, torch.Tensor]:
     path = library.work / "tokens.pt"
     spec = options.recipe.data
@@ -216,8 +274,14 @@ def _calibration_tokens(options: DistillOptions, parent, tokenizer, library: Lib
         else:
             from mlxkit.engines.data.sampled import sample_tokens
 
-            blocks = sample_tokens(parent, tokenizer, n_sequences=n_total, seq_len=spec.seq_len, seed=options.seed,
+            # generate() runs the whole model: a streamed parent is loaded whole for the sampling
+            # alone, and freed before the activations are cached.
+            whole = layers.model if not layers.streamed else _load_parent(options, placement, reporter)[0]
+            blocks = sample_tokens(whole, tokenizer, n_sequences=n_total, seq_len=spec.seq_len, seed=options.seed,
                                    reporter=reporter)
+            if layers.streamed:
+                del whole
+                _release_memory(placement)
             train, val = blocks[spec.score_sequences:], blocks[:spec.score_sequences]
         with atomic_file(path) as tmp:
             torch.save({"train": train, "val": val}, tmp)
@@ -236,21 +300,27 @@ def _trainable_units(space: SearchSpace) -> list[Unit]:
     return units
 
 
-def _build_blocks(parent, space: SearchSpace, library: LibraryDir, options: DistillOptions, precision: Precision,
-                  dist: Distributed, reporter: Reporter) -> None:
+def _build_blocks(parent, layers: StreamedParent | ResidentParent, space: SearchSpace, library: LibraryDir,
+                  options: DistillOptions, precision: Precision, dist: Distributed, reporter: Reporter) -> None:
+    """Initialise and train this rank's unfinished blocks, a layer at a time: each layer's cached
+    states and its parent layer are held while that layer's variants train, then let go."""
     todo = [u for u in dist.share(_trainable_units(space)) if not library.has_block(u.layer, u.kind, u.variant.name)]
     if not todo:
         return
     spec = options.recipe.bld
     placement = precision.placement
     pos = activations.position_embeddings(parent, options.recipe.data.seq_len)
+    held = contextlib.ExitStack()
     cached_layer, states = -1, None
-    with reporter.task(f"BLD: training {len(todo)} subblocks" + (f" (rank {dist.rank})" if dist.world_size > 1
-                                                                   else ""), total=len(todo)) as task:
+    with held, reporter.task(f"BLD: training {len(todo)} subblocks" + (f" (rank {dist.rank})" if dist.world_size > 1
+                                                                         else ""), total=len(todo)) as task:
         for unit in todo:
             if unit.layer != cached_layer:
+                held.close()
+                states = None
                 states = activations.load_layer(library.work / "activations", unit.layer, space.parent.num_layers,
                                                 device=placement.device)
+                held.enter_context(layers.hold(unit.layer))
                 cached_layer = unit.layer
             assert states is not None
             x, y, vx, vy = _block_data(states, unit.kind)
@@ -300,9 +370,13 @@ def _scoring_units(space: SearchSpace) -> list[Unit]:
     return units
 
 
-def _score(parent, space: SearchSpace, library: LibraryDir, val_ids: torch.Tensor, placement: Placement,
-           dist: Distributed, reporter: Reporter) -> None:
-    """Replace-1-block scores: the parent and each block held in the compute dtype, the metrics in float32."""
+def _score(parent, layers: StreamedParent | ResidentParent, space: SearchSpace, library: LibraryDir,
+           val_ids: torch.Tensor, placement: Placement, dist: Distributed, reporter: Reporter) -> None:
+    """Replace-1-block scores: the parent and each block held in the compute dtype, the metrics in float32.
+
+    A resident parent runs its tail once per variant; a streamed one takes the variants through
+    the tail in passes (`score_streamed`), reading each layer once per pass. The scores are the same.
+    """
     todo = [u for u in dist.share(_scoring_units(space)) if library.read_score(u.layer, u.kind, u.variant.name)
             is None]
     todo_parent = dist.is_main and library.read_score(-1, "parent", "parent") is None
@@ -313,6 +387,8 @@ def _score(parent, space: SearchSpace, library: LibraryDir, val_ids: torch.Tenso
     tail = ParentTail(parent, val_ids, final, pos)
     if todo_parent:
         library.save_score(-1, "parent", "parent", parent_metrics(tail))
+    if layers.streamed:
+        return _score_streamed(parent, layers, tail, todo, library, val_ids, placement, reporter)
     cached_layer, states = -1, None
     with reporter.task(f"scoring {len(todo)} variants (replace-1-block KL)", total=len(todo)) as task:
         for unit in todo:
@@ -327,6 +403,32 @@ def _score(parent, space: SearchSpace, library: LibraryDir, val_ids: torch.Tenso
             library.save_score(unit.layer, unit.kind, unit.variant.name, metrics)
             task.advance()
             task.update(last=unit.label, kl=metrics["kl_div"])
+
+
+def _score_streamed(parent, layers: StreamedParent, tail: ParentTail, todo: list[Unit], library: LibraryDir,
+                    val_ids: torch.Tensor, placement: Placement, reporter: Reporter) -> None:
+    root = library.work / "activations"
+
+    def load(unit: Unit):
+        block = library.load_block(parent.config, unit.layer, unit.kind, unit.variant,  # type: ignore[arg-type]
+                                   device=placement.device, dtype=placement.dtype)
+        return (block, *activations.load_val_states(root, unit.layer, device=placement.device))
+
+    replacements = [Replacement(u.layer, u.kind, functools.partial(load, u)) for u in todo]
+    state_bytes = val_ids.numel() * parent.config.hidden_size * placement.dtype.itemsize
+    with reporter.task(f"scoring {len(todo)} variants (replace-1-block KL)", total=len(todo)) as task:
+        for index, metrics in score_streamed(tail, layers, replacements, state_bytes=state_bytes):
+            unit = todo[index]
+            library.save_score(unit.layer, unit.kind, unit.variant.name, metrics)
+            task.advance()
+            task.update(last=unit.label, kl=metrics["kl_div"])
+
+
+def _release_memory(placement: Placement) -> None:
+    """Give freed tensors back: Python's cycles first, then CUDA's cached blocks."""
+    gc.collect()
+    if placement.is_cuda:
+        torch.cuda.empty_cache()
 
 
 def _write_index(parent, space: SearchSpace, library: LibraryDir, options: DistillOptions, source,
@@ -408,8 +510,6 @@ def library_cache_key(model: str, recipe: str, *, data: Path | None = None, seed
     resolves to); a hub id, which has no local files, is its spec. The recipe is its validated
     contents, so a YAML file edited in place is another recipe.
     """
-    from mlxkit.engines.models.loading import resolve_spec
-
     source = resolve_spec(model, reporter)
     placement = Placement.resolve(device, dtype)
     if data is not None:

@@ -1,18 +1,23 @@
 """Replace-1-block scoring: swap one subblock into the parent and compare next-token distributions.
 
-Scoring streams from the cached residual-stream state at the swapped layer, so only the
-layers from there on run. Metrics use the public NVlabs/puzzle names where they exist:
+Scoring starts from the cached residual-stream state at the swapped layer, so only the
+layers from there on run. `score_subblock` runs a resident parent's tail per variant;
+`score_streamed` takes many variants through one pass over the tail, holding one parent
+layer at a time (a streamed parent reads each from disk once per pass), with the same results. Metrics use the public NVlabs/puzzle names where they exist:
 `kl_div` (KL(parent || child)) and `lm_loss` (the child's NLL), plus `top1_agreement`, all as
 defined in `mlxkit.engines.eval.metrics` (mean over the held-out positions that have a next token).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
 import torch
 import torch.nn.functional as F
 
 from mlxkit.engines.eval.metrics import kl_from_log_probs
-from mlxkit.engines.puzzle.subblocks import Subblock
+from mlxkit.engines.puzzle.subblocks import Subblock, SubblockKind
 from mlxkit.engines.training.device import module_device
 
 
@@ -27,17 +32,19 @@ class ParentTail:
         self.model = parent_model
         self.pos = pos
         self.targets = val_ids[:, 1:].to(module_device(parent_model))
-        self.parent_logp = self._log_probs(final_state)
+        self.parent_logp = self.log_probs(final_state)
         self.parent_top1 = self.parent_logp.argmax(-1)
 
-    def _log_probs(self, state: torch.Tensor) -> torch.Tensor:
-        """Next-token log-probabilities at the positions that have a target (all but the last)."""
+    def log_probs(self, state: torch.Tensor) -> torch.Tensor:
+        """Next-token log-probabilities at the positions that have a target (all but the last), from the
+        last layer's output: the final norm and the head, which stay resident in a streamed parent."""
         return F.log_softmax(self.model.lm_head(self.model.model.norm(state[:, :-1])).float(), dim=-1)
 
     def run_from(self, state: torch.Tensor, first_layer: int) -> torch.Tensor:
+        """From layer `first_layer` to the log-probabilities, through the parent's resident layers."""
         for layer in self.model.model.layers[first_layer:]:
             state = layer(state, self.pos)
-        return self._log_probs(state)
+        return self.log_probs(state)
 
     def metric_tensors(self, child_logp: torch.Tensor) -> dict[str, torch.Tensor]:
         """The metrics as 0-d float32 tensors on the device (no host synchronisation)."""
@@ -50,19 +57,26 @@ class ParentTail:
         return {name: value.item() for name, value in self.metric_tensors(child_logp).items()}
 
 
+def replaced_output(block: Subblock, parent_layer, val_in: torch.Tensor, val_mid: torch.Tensor, pos) -> torch.Tensor:
+    """The output of a parent layer whose `block.kind` subblock is replaced by `block`.
+
+    `val_in`/`val_mid` are the cached states entering the layer and after its attention; an
+    attention block is followed by the parent layer's own FFN.
+    """
+    if block.kind == "attention":
+        state = val_in + block(val_in, pos)
+        delta = parent_layer.ffn_delta(state)
+        return state if delta is None else state + delta
+    return val_mid + block(val_mid)
+
+
 def replaced_log_probs(tail: ParentTail, block: Subblock, layer_idx: int, val_in: torch.Tensor,
                        val_mid: torch.Tensor) -> torch.Tensor:
     """Next-token log-probabilities (float32) of the parent with only `block` replaced at `layer_idx`.
 
-    `block` and the cached states are on the parent's device, in its dtype.
+    `block` and the cached states are on the parent's device, in its dtype; the parent is resident.
     """
-    parent_layer = tail.model.model.layers[layer_idx]
-    if block.kind == "attention":
-        state = val_in + block(val_in, tail.pos)
-        delta = parent_layer.ffn_delta(state)
-        state = state if delta is None else state + delta
-    else:
-        state = val_mid + block(val_mid)
+    state = replaced_output(block, tail.model.model.layers[layer_idx], val_in, val_mid, tail.pos)
     return tail.run_from(state, layer_idx + 1)
 
 
@@ -76,3 +90,54 @@ def score_subblock(tail: ParentTail, block: Subblock, layer_idx: int, val_in: to
 @torch.inference_mode()
 def parent_metrics(tail: ParentTail) -> dict[str, float]:
     return tail.metrics(tail.parent_logp)
+
+
+# Held-out states in flight at once when replacements share a pass over the parent's tail.
+STATE_BUDGET_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class Replacement:
+    """One variant to score: its layer and kind, and how to read its block and that layer's cached
+    held-out states (`val_in`, `val_mid`), called when the pass reaches the layer."""
+
+    layer: int
+    kind: SubblockKind
+    load: Callable[[], tuple[Subblock, torch.Tensor, torch.Tensor]]
+
+
+@torch.inference_mode()
+def score_streamed(tail: ParentTail, layers, replacements: Sequence[Replacement], *, state_bytes: int,
+                   budget_bytes: int | None = None) -> Iterator[tuple[int, dict[str, float]]]:
+    """Replace-1-block metrics of many variants, holding one parent layer at a time.
+
+    `layers.hold(j)` gives decoder layer j (a `StreamedParent` reads it from disk). Variants go
+    through the tail in passes: a pass takes, in layer order, as many variants as keep their
+    held-out states (`state_bytes` each) within `budget_bytes` (default `STATE_BUDGET_BYTES`),
+    and walks the layers from the first of them to the last, reading each layer once for the
+    whole pass; a variant joins at its own layer. Each variant's state goes through exactly the operations of
+    `score_subblock` (never batched with another's), so the metrics are the same bit for bit.
+    Yields (index into `replacements`, metrics) at the end of each pass.
+    """
+    num_layers = tail.model.config.num_hidden_layers
+    order = sorted(range(len(replacements)), key=lambda k: replacements[k].layer)
+    per_pass = max(1, (budget_bytes or STATE_BUDGET_BYTES) // max(1, state_bytes))
+    for first in range(0, len(order), per_pass):
+        wave = order[first:first + per_pass]
+        states: dict[int, torch.Tensor] = {}
+        for j in range(replacements[wave[0]].layer, num_layers):
+            joining = [k for k in wave if replacements[k].layer == j]
+            if not states and not any(replacements[k].kind == "attention" for k in joining):
+                # Nothing in flight, and an FFN replacement needs no parent weights at its own layer.
+                for k in joining:
+                    block, val_in, val_mid = replacements[k].load()
+                    states[k] = replaced_output(block, None, val_in, val_mid, tail.pos)
+                continue
+            with layers.hold(j) as layer:
+                for k in states:
+                    states[k] = layer(states[k], tail.pos)
+                for k in joining:
+                    block, val_in, val_mid = replacements[k].load()
+                    states[k] = replaced_output(block, layer, val_in, val_mid, tail.pos)
+        for k in wave:
+            yield k, tail.metrics(tail.log_probs(states.pop(k)))

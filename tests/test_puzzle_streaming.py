@@ -1,0 +1,213 @@
+"""`distill --bld` with a streamed parent: the same library as with the whole parent in memory, bit for
+bit, while at most one decoder layer is ever read in; and an activation cache that resumes per layer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from conftest import make_char_tokenizer, make_tiny_llama, save_with_tokenizer
+from mlxkit.engines.core.progress import Reporter
+from mlxkit.engines.data.sampled import model_fingerprint
+from mlxkit.engines.models.decilm.convert import ResidentParent, StreamedParent, from_parent
+from mlxkit.engines.models.loading import load_config, load_model
+from mlxkit.engines.puzzle import activations, distill, scoring
+from mlxkit.engines.puzzle.distill import DistillOptions, run_distill
+from mlxkit.engines.puzzle.recipe import load_recipe
+from mlxkit.engines.training.device import Placement
+
+
+def _options(parent: Path, recipe: Path, out: Path, **extra) -> DistillOptions:
+    extra.setdefault("data", None)
+    return DistillOptions(model=str(parent), out=out, recipe=load_recipe(str(recipe)), device="cpu", **extra)
+
+
+def _tensors(directory: Path) -> dict[str, dict[str, torch.Tensor]]:
+    return {path.name: load_file(str(path)) for path in sorted(directory.glob("*.safetensors"))}
+
+
+def _same_tensors(a: dict[str, dict[str, torch.Tensor]], b: dict[str, dict[str, torch.Tensor]]) -> bool:
+    return a.keys() == b.keys() and all(a[f].keys() == b[f].keys() and all(torch.equal(a[f][k], b[f][k])
+                                                                           for k in a[f]) for f in a)
+
+
+def _scores(directory: Path) -> dict[str, dict]:
+    return {path.name: json.loads(path.read_text()) for path in sorted(directory.glob("*.json"))}
+
+
+def _index_without_timings(root: Path) -> dict:
+    index = json.loads((root / "library.json").read_text())
+    for layer in index["layers"]:
+        for kind in ("attention", "ffn"):
+            for entry in layer[kind].values():
+                (entry.get("training") or {}).pop("seconds", None)
+    return index
+
+
+class _LayerWatch:
+    """Counts the decoder layers a streamed parent holds at once, and the whole-parent loads."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.most_held, self.whole_loads = 0, 0
+        hold = StreamedParent.hold
+        load = distill._load_parent
+
+        def watched_hold(parent, index):
+            with hold(parent, index) as layer:
+                self.most_held = max(self.most_held, len(parent.held()))
+                yield layer
+
+        def counted_load(*args, **kwargs):
+            self.whole_loads += 1
+            return load(*args, **kwargs)
+
+        import contextlib
+        monkeypatch.setattr(StreamedParent, "hold", contextlib.contextmanager(watched_hold))
+        monkeypatch.setattr(distill, "_load_parent", counted_load)
+
+
+@pytest.fixture
+def deep_parent(tmp_path) -> Path:
+    """The tiny Llama with 4 layers and a tied head (a streamed pass then spans several layers)."""
+    return save_with_tokenizer(make_tiny_llama(num_hidden_layers=4, tie_word_embeddings=True), tmp_path / "parent")
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_streamed_library_equals_the_resident_one(tied, tmp_path, tiny_recipe_file, text_file, monkeypatch):
+    parent = save_with_tokenizer(make_tiny_llama(num_hidden_layers=3, tie_word_embeddings=tied), tmp_path / "p")
+    resident = tmp_path / "resident"
+    run_distill(_options(parent, tiny_recipe_file, resident, data=text_file, stream=False))
+    # A budget of three variants' held-out states: scoring takes several passes over the tail.
+    monkeypatch.setattr(scoring, "STATE_BUDGET_BYTES", 3 * 2 * 32 * 32 * 4)
+    watch = _LayerWatch(monkeypatch)
+    streamed = tmp_path / "streamed"
+    run_distill(_options(parent, tiny_recipe_file, streamed, data=text_file))
+    assert watch.whole_loads == 0 and watch.most_held == 1
+    for sub in ("blocks", ".work/activations"):
+        assert _same_tensors(_tensors(resident / sub), _tensors(streamed / sub)), sub
+    assert _scores(resident / "scores") == _scores(streamed / "scores")  # exact: every float equal
+    assert _index_without_timings(resident)["run_key"]["parent"] == _index_without_timings(streamed)["run_key"]["parent"]
+    assert _index_without_timings(resident) == _index_without_timings(streamed)
+
+
+@pytest.mark.parametrize("family,dtype", [("llama", torch.float32), ("llama-tied", torch.bfloat16),
+                                          ("qwen2", torch.float32)])
+def test_streamed_parent_reads_the_converted_parents_tensors(family, dtype, tmp_path):
+    if family == "qwen2":  # no o_proj bias in the checkpoint: the converted class holds zeros
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                             max_position_embeddings=128, tie_word_embeddings=True)).eval()
+    else:
+        model = make_tiny_llama(tie_word_embeddings=family == "llama-tied")
+    path = save_with_tokenizer(model, tmp_path / family)
+    whole = from_parent(load_model(str(path), dtype=dtype).model)
+    streamed = StreamedParent.open(path, load_config(str(path)), dtype=dtype, device="cpu", spec=str(path))
+    assert streamed is not None
+    expected = whole.state_dict()
+    for i in range(2):
+        with streamed.hold(i) as layer:
+            for name, tensor in layer.state_dict().items():
+                assert torch.equal(tensor, expected[f"model.layers.{i}.{name}"]), name
+        assert all(p.is_meta for p in streamed.model.model.layers[i].parameters())
+    for name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+        assert torch.equal(streamed.model.state_dict()[name], expected[name])
+    assert torch.equal(streamed.model.model.rotary_emb.inv_freq, whole.model.rotary_emb.inv_freq)
+    # The run key's fingerprint, read from the files, is the resident parent's.
+    whole.config._attn_implementation = streamed.config._attn_implementation
+    assert distill._parent_fingerprint(streamed) == model_fingerprint(whole)
+    assert distill._parent_fingerprint(ResidentParent(whole)) == model_fingerprint(whole)
+
+
+def test_a_killed_cache_recomputes_only_the_unfinished_layers(deep_parent, tiny_recipe_file, text_file, tmp_path,
+                                                              monkeypatch):
+    reference = tmp_path / "reference"
+    run_distill(_options(deep_parent, tiny_recipe_file, reference, data=text_file, score=False, train=False))
+
+    computed: list[int] = []
+    real = activations.layer_states
+
+    def layer_states(layer, *args, **kwargs):
+        computed.append(layer.self_attn.layer_idx)
+        if kill and layer.self_attn.layer_idx == 2:
+            raise KeyboardInterrupt("killed at layer 2")
+        return real(layer, *args, **kwargs)
+
+    monkeypatch.setattr(activations, "layer_states", layer_states)
+    out = tmp_path / "lib"
+    kill = True
+    with pytest.raises(KeyboardInterrupt):
+        run_distill(_options(deep_parent, tiny_recipe_file, out, data=text_file, score=False, train=False))
+    cache = out / ".work" / "activations"
+    assert sorted(p.name for p in cache.glob("*.safetensors")) == ["layer000.safetensors", "layer001.safetensors"]
+    stamps = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in cache.glob("*.safetensors")}
+
+    kill, computed[:] = False, []
+    run_distill(_options(deep_parent, tiny_recipe_file, out, data=text_file, score=False, train=False))
+    assert computed == [2, 3]
+    assert {name: (cache / name).stat().st_ino for name in stamps} == {n: s[0] for n, s in stamps.items()}
+    assert {name: (cache / name).stat().st_mtime_ns for name in stamps} == {n: s[1] for n, s in stamps.items()}
+    assert _same_tensors(_tensors(reference / ".work" / "activations"), _tensors(cache))
+
+
+def test_a_cache_killed_before_its_final_file_resumes_at_the_end(deep_parent, tiny_recipe_file, text_file, tmp_path,
+                                                                  monkeypatch):
+    reference = tmp_path / "reference"
+    run_distill(_options(deep_parent, tiny_recipe_file, reference, data=text_file, score=False, train=False))
+    out = tmp_path / "lib"
+    run_distill(_options(deep_parent, tiny_recipe_file, out, data=text_file, score=False, train=False))
+    cache = out / ".work" / "activations"
+    (cache / "final.safetensors").unlink()
+    monkeypatch.setattr(activations, "layer_states", lambda *a, **k: pytest.fail("a cached layer was recomputed"))
+    run_distill(_options(deep_parent, tiny_recipe_file, out, data=text_file, score=False, train=False))
+    assert _same_tensors(_tensors(reference / ".work" / "activations"), _tensors(cache))
+
+
+def test_sampling_loads_the_whole_parent_once_then_streams(deep_parent, tiny_recipe_file, tmp_path, monkeypatch):
+    watch = _LayerWatch(monkeypatch)
+    out = tmp_path / "lib"
+    run_distill(_options(deep_parent, tiny_recipe_file, out, score=False, train=False))
+    assert watch.whole_loads == 1 and watch.most_held == 1
+    # Resumed with its tokens cached: nothing loads the whole parent again.
+    (out / ".work" / "activations" / "final.safetensors").unlink()
+    run_distill(_options(deep_parent, tiny_recipe_file, out, score=False, train=False))
+    assert watch.whole_loads == 1
+
+
+class _Notices(Reporter):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def notice(self, message: str) -> None:
+        self.lines.append(message)
+
+
+def test_a_parent_without_safetensors_is_held_whole(tmp_path):
+    path = tmp_path / "pickled"
+    model = make_tiny_llama()
+    model.config.save_pretrained(path)
+    torch.save(model.state_dict(), path / "pytorch_model.bin")
+    make_char_tokenizer().save_pretrained(path)
+    notices = _Notices()
+    options = DistillOptions(model=str(path), out=tmp_path / "lib", recipe=load_recipe("quick"), allow_pickle=True,
+                             device="cpu")
+    parent, layers, _, _ = distill._open_parent(options, Placement.cpu(), notices)
+    assert isinstance(layers, ResidentParent) and not any(p.is_meta for p in parent.parameters())
+    assert any("holding it whole in memory" in line for line in notices.lines)
+
+
+def test_a_streamed_parent_with_a_nan_weight_is_refused(tmp_path, tiny_recipe_file, text_file):
+    from mlxkit.engines.errors import NonFiniteError
+
+    model = make_tiny_llama()
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[3, 5] = float("nan")
+    path = save_with_tokenizer(model, tmp_path / "nan")
+    with pytest.raises(NonFiniteError, match="model.layers.1.mlp.up_proj.weight"):
+        run_distill(_options(path, tiny_recipe_file, tmp_path / "lib", data=text_file))
