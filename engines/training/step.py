@@ -22,7 +22,11 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
         raise InputError(f"{type(model).__name__} does not support gradient checkpointing "
                          "(--set gradient_checkpointing=false)")
     # Non-reentrant checkpointing needs no input that requires grad, so frozen embeddings (LoRA) work.
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # transformers 5.25 renamed the switch; older releases know only the first name.
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def place_frozen(model: torch.nn.Module, placement: Placement) -> None:
