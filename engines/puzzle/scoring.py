@@ -3,7 +3,9 @@
 Scoring starts from the cached residual-stream state at the swapped layer, so only the
 layers from there on run. `score_subblock` runs a resident parent's tail per variant;
 `score_streamed` takes many variants through one pass over the tail, holding one parent
-layer at a time (a streamed parent reads each from disk once per pass), with the same results. Metrics use the public NVlabs/puzzle names where they exist:
+layer at a time (a streamed parent reads each from disk once per pass), with the same results.
+
+Metrics use the public NVlabs/puzzle names where they exist:
 `kl_div` (KL(parent || child)) and `lm_loss` (the child's NLL), plus `top1_agreement`, all as
 defined in `mlxkit.engines.eval.metrics` (mean over the held-out positions that have a next token).
 """
