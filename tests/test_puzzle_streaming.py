@@ -91,8 +91,9 @@ def test_streamed_library_equals_the_resident_one(tied, tmp_path, tiny_recipe_fi
     for sub in ("blocks", ".work/activations"):
         assert _same_tensors(_tensors(resident / sub), _tensors(streamed / sub)), sub
     assert _scores(resident / "scores") == _scores(streamed / "scores")  # exact: every float equal
-    assert _index_without_timings(resident)["run_key"]["parent"] == _index_without_timings(streamed)["run_key"]["parent"]
-    assert _index_without_timings(resident) == _index_without_timings(streamed)
+    index = _index_without_timings(streamed)
+    assert _index_without_timings(resident)["run_key"]["parent"] == index["run_key"]["parent"]
+    assert _index_without_timings(resident) == index
 
 
 @pytest.mark.parametrize("family,dtype", [("llama", torch.float32), ("llama-tied", torch.bfloat16),
@@ -211,3 +212,53 @@ def test_a_streamed_parent_with_a_nan_weight_is_refused(tmp_path, tiny_recipe_fi
     path = save_with_tokenizer(model, tmp_path / "nan")
     with pytest.raises(NonFiniteError, match="model.layers.1.mlp.up_proj.weight"):
         run_distill(_options(path, tiny_recipe_file, tmp_path / "lib", data=text_file))
+
+
+def _mixed_choices(num_layers: int):
+    from mlxkit.engines.models.decilm.blocks import AttentionVariant, BlockChoice, FFNVariant
+
+    picks = [BlockChoice(AttentionVariant("gqa", 1), FFNVariant("mlp", 64)),
+             BlockChoice(AttentionVariant("gqa", 2), FFNVariant("linear")),
+             BlockChoice(AttentionVariant("no_op"), FFNVariant("mlp", 32)),
+             BlockChoice(AttentionVariant("linear"), FFNVariant("no_op"))]
+    return [picks[i % len(picks)] for i in range(num_layers)]
+
+
+@pytest.mark.parametrize("tied,dtype", [(False, torch.float32), (True, torch.bfloat16)])
+def test_write_child_equals_the_assembled_child(tied, dtype, tmp_path, tiny_recipe_file, text_file):
+    from transformers import AutoModelForCausalLM
+
+    import mlxkit
+    from mlxkit.engines.puzzle.assemble import assemble_child, write_child
+    from mlxkit.engines.puzzle.library import LibraryDir
+
+    mlxkit.register_auto_classes()
+    parent_dir = save_with_tokenizer(make_tiny_llama(num_hidden_layers=4, tie_word_embeddings=tied), tmp_path / "p")
+    library = LibraryDir(tmp_path / "lib")
+    run_distill(_options(parent_dir, tiny_recipe_file, library.root, data=text_file, score=False, train=False))
+    choices = _mixed_choices(4)
+    parent = from_parent(load_model(str(parent_dir)).model)
+    expected = assemble_child(parent, library, choices, dtype=dtype).state_dict()
+
+    out = write_child(parent_dir, library, choices, tmp_path / "child", dtype=dtype, max_shard_bytes=20_000)
+    assert len(list(out.glob("model-*-of-*.safetensors"))) > 1  # sharded, with an index
+    written = {name: t for shard in out.glob("*.safetensors") for name, t in load_file(str(shard)).items()}
+    assert ("lm_head.weight" in written) == (not tied)
+    loaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert loaded.dtype == dtype
+    state = loaded.state_dict()
+    assert state.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert state[name].dtype == dtype and torch.equal(state[name], tensor), name
+
+
+def test_write_child_refuses_a_missing_block(built_library, tiny_llama_dir, tmp_path):
+    from mlxkit.engines.errors import InputError
+    from mlxkit.engines.puzzle.assemble import write_child
+    from mlxkit.engines.puzzle.library import LibraryDir
+
+    library = LibraryDir(built_library)
+    choices = _mixed_choices(2)
+    library.block_file(1, "ffn", "linear").unlink()
+    with pytest.raises(InputError, match="no block for layer 1 ffn linear"):
+        write_child(tiny_llama_dir, library, choices, tmp_path / "child")
