@@ -3,7 +3,8 @@
 For each layer i we keep `in` (the layer's input) and `mid` (after its attention
 subblock), for the training sequences and the held-out scoring sequences; `final` is
 the last layer's output. BLD trains on them and scoring streams from them, so the
-parent's earlier layers are never recomputed.
+parent's earlier layers are never recomputed. Each layer's file is written as soon as the
+layer has run, so a killed run resumes at the first layer without one.
 """
 
 from __future__ import annotations
