@@ -37,16 +37,16 @@ def check_data_path(path: str | os.PathLike) -> Path:
 
 
 _TEXT_SUFFIXES = (".txt", ".md", ".text", ".raw", "")
+# Long documents are tokenised in pieces of at most this many characters, cut after a line end.
+# The piece boundaries decide the ids at each cut, so every tokeniser of --data uses this one value.
+PIECE_CHARS = 1 << 20
 
 
 def read_texts(path: str | os.PathLike, text_field: str = "text") -> list[str]:
     """Documents from a .txt file, a .jsonl file (one object per line), or a directory of .txt files."""
     path = check_data_path(path)
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*.txt") if p.is_file())
-        if not files:
-            raise InputError(f"data directory '{path}' holds no .txt files")
-        texts = [_read_utf8(f) for f in files]
+        texts = [_read_utf8(f) for f in text_files(path)]
     elif path.suffix == ".jsonl":
         texts = _read_jsonl(path, text_field)
     else:
@@ -57,25 +57,45 @@ def read_texts(path: str | os.PathLike, text_field: str = "text") -> list[str]:
     return texts
 
 
+def text_files(directory: Path) -> list[Path]:
+    """The .txt files under a data directory, in the sorted order their documents are read."""
+    files = sorted(p for p in directory.rglob("*.txt") if p.is_file())
+    if not files:
+        raise InputError(f"data directory '{directory}' holds no .txt files")
+    return files
+
+
+def not_utf8_error(path: Path, reason: str, byte: int) -> InputError:
+    """The error for a data file that does not decode as UTF-8 (`byte`: offset of the first bad byte)."""
+    return InputError(f"data file '{path}' is not UTF-8 text ({reason} at byte {byte})")
+
+
 def _read_utf8(path: Path) -> str:
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
-        raise InputError(f"data file '{path}' is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        raise not_utf8_error(path, exc.reason, exc.start) from None
+
+
+def parse_jsonl_line(path: Path, number: int, line: str, text_field: str) -> dict | None:
+    """The object on line `number` of a .jsonl file, or None for a blank line; it must hold `text_field`."""
+    if not line.strip():
+        return None
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+    if not isinstance(record, dict) or text_field not in record:
+        raise InputError(f"{path}:{number}: no field '{text_field}' (choose one with --text-field)")
+    return record
 
 
 def read_jsonl_records(path: Path, text_field: str) -> Iterator[tuple[int, dict]]:
     """(line number, object) for every non-blank line of a .jsonl file; each object must hold `text_field`."""
     for number, line in enumerate(_read_utf8(path).splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise InputError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
-        if not isinstance(record, dict) or text_field not in record:
-            raise InputError(f"{path}:{number}: no field '{text_field}' (choose one with --text-field)")
-        yield number, record
+        record = parse_jsonl_line(path, number, line, text_field)
+        if record is not None:
+            yield number, record
 
 
 def _read_jsonl(path: Path, text_field: str) -> list[str]:
@@ -91,7 +111,7 @@ def tokenize(tokenizer, texts: list[str], max_tokens: int | None = None) -> torc
     """
     separator = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     ids: list[int] = []
-    piece_chars = 1 << 20
+    piece_chars = PIECE_CHARS
     for doc_index, text in enumerate(texts):
         if doc_index and separator:
             ids.extend(separator)
