@@ -78,7 +78,7 @@ def _read_utf8(path: Path) -> str:
 
 
 def parse_jsonl_line(path: Path, number: int, line: str, text_field: str) -> dict | None:
-    """The object on line `number` of a .jsonl file, or None for a blank line; it must hold `text_field`."""
+    """The object on line `number` of a .jsonl file, or None for a blank line; it must hold `text_field`, a string."""
     if not line.strip():
         return None
     try:
@@ -87,6 +87,9 @@ def parse_jsonl_line(path: Path, number: int, line: str, text_field: str) -> dic
         raise InputError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
     if not isinstance(record, dict) or text_field not in record:
         raise InputError(f"{path}:{number}: no field '{text_field}' (choose one with --text-field)")
+    if not isinstance(record[text_field], str):  # str() would train on "123" or "None"
+        kind = "null" if record[text_field] is None else type(record[text_field]).__name__
+        raise InputError(f"{path}:{number}: field '{text_field}' is {kind}, not a string")
     return record
 
 
