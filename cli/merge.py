@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from mlxkit.cli._errors import guarded
+from mlxkit.cli._errors import fail, guarded
 from mlxkit.cli._options import (DeviceOpt, JsonOpt, Output, OverwriteOpt, QuietOpt, RecipeOpt, VerboseOpt,
                                  canonical_dtype, check_pairs, check_placement, console, set_option)
 from mlxkit.engines.core.sizes import SIZE_HELP
@@ -28,9 +28,10 @@ def merge_command(
     models: Annotated[Optional[list[str]], typer.Argument(help="Fine-tuned models: HF dirs, hub ids or LoRA adapter dirs.")] = None,
     base: Annotated[Optional[str], Opt("--base", help="Base model (inferred from adapters / model cards if omitted).")] = None,
     out: Annotated[Optional[Path], Opt("--out", "-o", "--output", help="Output directory (--output is the older spelling).")] = None,
-    method: Annotated[Optional[str], Opt("--method", help="iso-c|iso-cts|task-arithmetic|ties|dare-ties|dare-linear|linear|slerp")] = None,
+    method: Annotated[Optional[str], Opt("--method", help="iso-c|iso-cts|tsv-m|task-arithmetic|ties|dare-ties|dare-linear|breadcrumbs|breadcrumbs-ties|della|della-linear|sce|model-stock|arcee-fusion|linear|slerp|nuslerp|multislerp|karcher|passthrough")] = None,
     isotropic: Annotated[bool, Opt("--isotropic", help="Iso-CTS, the paper's best (same as --method iso-cts).")] = False,
     recipe: RecipeOpt = None,
+    config_file: Annotated[Optional[str], Opt("--config", help="A mergekit YAML config, run as written (same schema as --recipe).")] = None,
     alpha: Annotated[Optional[str], Opt("--alpha", help=f"Scale of the merged task vector: {ALPHA.valid_values()}, or 'auto'.")] = None,
     eval_data: Annotated[Optional[list[str]], Opt("--eval-data", help="Validation text per model (for --alpha auto), in model order.")] = None,
     common_frac: Annotated[Optional[str], Opt("--common-frac", help="Iso-CTS common-subspace fraction, a number in (0, 1] (default 0.8).")] = None,
@@ -53,7 +54,9 @@ def merge_command(
     check_pairs(params)
     output = Output(json_out, quiet, verbose)
     out_dtype = canonical_dtype(dtype)
-    config = config_from_options(models=models or [], recipe=recipe, base=base, method=method, isotropic=isotropic,
+    if recipe and config_file:
+        raise fail("give --recipe or --config, not both")
+    config = config_from_options(models=models or [], recipe=recipe or config_file, base=base, method=method, isotropic=isotropic,
                                  alpha=alpha, eval_data=eval_data or [], common_frac=common_frac, params=params,
                                  average_embeddings=average_embeddings, dtype=out_dtype,
                                  max_shard_size=max_shard_size, seed=seed)

@@ -10,9 +10,20 @@
     alpha: 1.0            # or "auto" with eval_data (one file per model)
     out_dtype: bfloat16
 
-A parameter value is a scalar or a list of `{filter, value}`: the first entry whose filter is a
-substring of the tensor name wins (`*` or no filter matches everything), as in mergekit. A filter
-starting with `re:` is a regular expression searched in the name.
+The schema is mergekit's (`mergekit-yaml` configs run unchanged) plus our own keys (`alpha`,
+`eval_data`, `average_embeddings`, ...). A parameter value is, as in mergekit:
+
+* a scalar;
+* a gradient, a list of numbers interpolated linearly over the layers: layer i of N takes the
+  value at position i/(N-1) of the list, tensors before the first layer (embeddings) the first
+  value and tensors after the last (final norm, LM head) the last;
+* a list of `{filter, value}` whose first entry matching the tensor name wins: a filter matches
+  when it is a substring of the name or an fnmatch pattern of it (`*` or no filter matches
+  everything); a filter starting with `re:` is a regular expression searched in the name. A
+  value may itself be a gradient.
+
+`slices` (mergekit's layer ranges: frankenmerges, depth up-scaling) replace `models`; the base
+model listed among `models` is taken out of the inputs of task-vector methods, as mergekit does.
 
 Validation reads no tensors: every parameter is checked against its method's `ParamDef` (type,
 range, finiteness) here, and every problem is reported at once with its path
@@ -21,6 +32,7 @@ range, finiteness) here, and every problem is reported at once with its path
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
@@ -42,20 +54,33 @@ DEFAULT_EMBEDDING_PATTERN = r"(^|\.)(embed_tokens|lm_head|wte|word_embeddings|em
 class FilteredValue(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     filter: Optional[str] = None
-    value: Scalar
+    value: Union[Scalar, list[Scalar]]
+
+
+def _is_scalar(value: Any) -> bool:
+    return isinstance(value, (bool, int, float, str))
+
+
+def _gradient(value: list, what: str) -> list:
+    if not value:
+        raise ValueError(f"{what} is an empty list (a gradient needs at least one value)")
+    return list(value)
 
 
 def _filtered_values(value: Any) -> Any:
-    """A scalar stays as it is; a list becomes `FilteredValue`s, each problem told in one line.
+    """A scalar stays as it is, a list of scalars is a gradient, and a list of mappings becomes
+    `FilteredValue`s; each problem is told in one line.
 
     Done by hand rather than through pydantic's union so that a bad entry gives one readable
     message instead of one per union member.
     """
-    if isinstance(value, (bool, int, float, str)) or isinstance(value, FilteredValue):
+    if _is_scalar(value) or isinstance(value, FilteredValue):
         return value
     if not isinstance(value, list):
-        raise ValueError(f"a parameter is a number, true/false, or a list of {{filter, value}} entries "
-                         f"(got {value!r})")
+        raise ValueError(f"a parameter is a number, true/false, a list of numbers (a gradient over the layers) "
+                         f"or a list of {{filter, value}} entries (got {value!r})")
+    if all(_is_scalar(e) for e in value):
+        return _gradient(value, "the parameter")
     entries = []
     for i, entry in enumerate(value):
         if isinstance(entry, FilteredValue):
@@ -71,8 +96,11 @@ def _filtered_values(value: Any) -> Any:
                 re.compile(filt[3:])
             except re.error as exc:
                 raise ValueError(f"entry {i}: filter '{filt}' is not a regular expression ({exc})") from None
-        if not isinstance(val, (bool, int, float, str)):
-            raise ValueError(f"entry {i}: value must be a number, true/false or a string (got {val!r})")
+        if isinstance(val, list) and all(_is_scalar(v) for v in val):
+            val = _gradient(val, f"entry {i}: value")
+        elif not _is_scalar(val):
+            raise ValueError(f"entry {i}: value must be a number, true/false, a string or a list of numbers "
+                             f"(got {val!r})")
         entries.append(FilteredValue(filter=filt, value=val))
     return entries
 
@@ -80,16 +108,40 @@ def _filtered_values(value: Any) -> Any:
 ParamValue = Annotated[Any, BeforeValidator(_filtered_values)]
 
 
-def resolve_param(value: ParamValue, tensor: str) -> Any:
-    """The value a (possibly filtered) parameter takes for one tensor; None when no filter matches."""
-    if not isinstance(value, list):
-        return value
-    for entry in value:
-        f = entry.filter
-        if f is None or f == "*" or (f.startswith("re:") and re.search(f[3:], tensor)) or \
-                (not f.startswith("re:") and f in tensor):
-            return entry.value
-    return None
+def filter_matches(pattern: Optional[str], tensor: str) -> bool:
+    """mergekit's rule (no filter, `*`, a substring or an fnmatch pattern), plus `re:` expressions."""
+    if pattern is None or pattern == "*":
+        return True
+    if pattern.startswith("re:"):
+        return re.search(pattern[3:], tensor) is not None
+    return pattern in tensor or fnmatch.fnmatch(tensor, pattern)
+
+
+def at_position(setting: Any, t: float) -> Any:
+    """A scalar as is; a gradient at `t` in [0, 1]: numbers are interpolated between their two
+    neighbours, any other list (true/false, text) takes the entry at or below `t`, as mergekit."""
+    if not isinstance(setting, list):
+        return setting
+    if len(setting) == 1:
+        return setting[0]
+    scaled = max(0.0, min(1.0, t)) * (len(setting) - 1)
+    low = int(scaled)
+    if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in setting):
+        high = min(len(setting) - 1, low + 1)
+        frac = scaled - low
+        return (1 - frac) * setting[low] + frac * setting[high]
+    return setting[low]
+
+
+def resolve_param(value: ParamValue, tensor: str, t: float = 0.0) -> Any:
+    """The value a parameter takes for one tensor at depth `t` (0 = first layer, 1 = last);
+    None when no filter matches."""
+    if isinstance(value, list) and value and all(isinstance(e, FilteredValue) for e in value):
+        for entry in value:
+            if filter_matches(entry.filter, tensor):
+                return at_position(entry.value, t)
+        return None
+    return at_position(value, t)
 
 
 class ModelEntry(BaseModel):
@@ -98,12 +150,63 @@ class ModelEntry(BaseModel):
     parameters: dict[str, ParamValue] = Field(default_factory=dict)
 
 
+class SliceSource(BaseModel):
+    """Layers [start, end) of one model, as mergekit's `layer_range`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    model: str = Field(min_length=1)
+    layer_range: tuple[int, int]
+    parameters: dict[str, ParamValue] = Field(default_factory=dict)
+
+    @field_validator("layer_range")
+    @classmethod
+    def _ordered(cls, value: tuple[int, int]) -> tuple[int, int]:
+        if value[0] < 0 or value[1] <= value[0]:
+            raise ValueError(f"layer_range must be [start, end) with 0 <= start < end (got {list(value)})")
+        return value
+
+    @property
+    def length(self) -> int:
+        return self.layer_range[1] - self.layer_range[0]
+
+
+class SliceDef(BaseModel):
+    """One block of output layers, each merged from the same offset of every source's range."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    sources: list[SliceSource] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _same_length(self) -> "SliceDef":
+        lengths = {s.length for s in self.sources}
+        if len(lengths) > 1:
+            raise ValueError(f"every source of a slice must span the same number of layers "
+                             f"(got {sorted(lengths)})")
+        return self
+
+
+# mergekit's chat templates that we carry by name; any other name is refused, a Jinja text is used as is.
+CHAT_TEMPLATES = {
+    "chatml": ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+               "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+               "{% endif %}"),
+}
+
+
+class TokenizerDef(BaseModel):
+    """mergekit's `tokenizer:` section; only `source` is supported."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    source: str = Field(min_length=1)
+
+
 class MergeConfig(BaseModel):
     """One merge: which models, which method, which settings. Saved with the output."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    models: list[ModelEntry] = Field(min_length=1)
+    models: list[ModelEntry] = Field(default_factory=list)
+    slices: Optional[list[SliceDef]] = None
     base_model: Optional[str] = None
     merge_method: str = "iso-cts"
     parameters: dict[str, ParamValue] = Field(default_factory=dict)
@@ -117,16 +220,44 @@ class MergeConfig(BaseModel):
     average_embeddings: bool = True
     embedding_pattern: str = DEFAULT_EMBEDDING_PATTERN
     seed: int = 0
+    tokenizer_source: Optional[str] = None    # "base" or a model spec; mergekit's "union" is refused
+    tokenizer: Optional[TokenizerDef] = None  # mergekit's newer spelling of tokenizer_source
+    chat_template: Optional[str] = None       # "auto", a name in CHAT_TEMPLATES, or a Jinja template
 
     @model_validator(mode="before")
     @classmethod
     def _aliases(cls, data: Any) -> Any:
-        # mergekit's `dtype` is its compute/output dtype; we compute in float32, so it names the output.
-        if isinstance(data, dict) and "dtype" in data:
-            data = dict(data)
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        if "dtype" in data:
+            # mergekit's `dtype` is its compute/output dtype; we compute in float32, so it names the output.
             dtype = data.pop("dtype")
             data.setdefault("out_dtype", dtype)
+        method = str(data.get("merge_method", "")).strip().lower().replace("_", "-")
+        if method in ("dare-ties", "dare-linear"):
+            data = _density_as_drop_rate(data)
         return data
+
+    @field_validator("tokenizer_source")
+    @classmethod
+    def _tokenizer_source(cls, value: Optional[str]) -> Optional[str]:
+        return _check_tokenizer_source(value, "tokenizer_source")
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer(cls, value: Optional[TokenizerDef]) -> Optional[TokenizerDef]:
+        if value is not None:
+            _check_tokenizer_source(value.source, "tokenizer.source")
+        return value
+
+    @field_validator("chat_template")
+    @classmethod
+    def _chat_template(cls, value: Optional[str]) -> Optional[str]:
+        if value is None or value == "auto" or value in CHAT_TEMPLATES or "{{" in value or "{%" in value:
+            return value
+        raise ValueError(f"chat_template '{value}' is not supported: use auto, "
+                         f"{', '.join(CHAT_TEMPLATES)} or a Jinja template")
 
     @field_validator("merge_method")
     @classmethod
@@ -183,7 +314,11 @@ class MergeConfig(BaseModel):
                 raise  # `_consistent` ran: it already checked everything
             problems = _Problems()
             for error in errors:
-                problems.add(tuple(error["loc"]), error["msg"])
+                message = error["msg"]
+                if error["type"] == "extra_forbidden":
+                    # mergekit keys we do not implement land here too: name the key, never a pydantic phrase
+                    message = f"'{error['loc'][-1]}' is not a key mlx merge supports"
+                problems.add(tuple(error["loc"]), message)
             _raw_problems(data, problems, frozenset(tuple(e["loc"]) for e in errors))
             problems.raise_if_any()
             raise
@@ -194,9 +329,25 @@ class MergeConfig(BaseModel):
 
         problems = _Problems()
         method = registry.get(self.merge_method)
-        n = len(self.models)
-        _check_models(method, [entry.model for entry in self.models], problems)
-        _check_parameters(method, self.parameters, [entry.parameters for entry in self.models], problems)
+        if bool(self.models) == bool(self.slices):
+            problems.add(("models",), "give either models or slices (exactly one of them)")
+            problems.raise_if_any()
+        if self.tokenizer_source is not None and self.tokenizer is not None:
+            problems.add(("tokenizer",), "give tokenizer_source or tokenizer, not both")
+        entries = self.input_entries()
+        n = len(entries)
+        if self.slices:
+            _check_slices(method, self, problems)
+        else:
+            _check_models(method, [entry.model for entry in entries], problems)
+        _check_parameters(method, self.parameters, [entry.parameters for entry in entries], problems)
+        source = self.tokenizer_policy()
+        if source not in (None, "base"):
+            known = {input_key(m) for m in [*(e.model for e in entries), *([self.base_model] if self.base_model
+                                                                            else [])]}
+            if input_key(source) not in known:
+                problems.add(("tokenizer_source",), f"tokenizer source '{source}' is not one of the merged models "
+                                                    "or the base; the merged embeddings would not match it")
         if self.alpha == "auto":
             if not method.uses_deltas:
                 problems.add(("alpha",), f"alpha: auto needs a task-vector method, not '{method.name}'")
@@ -210,6 +361,37 @@ class MergeConfig(BaseModel):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json", exclude_defaults=False), sort_keys=False)
+
+    def tokenizer_policy(self) -> Optional[str]:
+        """Where the output's tokenizer comes from: None (base, else first model), "base", or a model."""
+        return self.tokenizer.source if self.tokenizer is not None else self.tokenizer_source
+
+    def input_entries(self) -> list[ModelEntry]:
+        """The models whose tensors the method combines, in order, each with its parameters.
+
+        As in mergekit, a base model listed among the inputs is taken out for methods that merge
+        relative to it, and comes first for SLERP, whose t = 0 is the base. With slices, every
+        model named by a source (parameters are then per source, see `plan.py`).
+        """
+        from mlxkit.engines.merge.methods import registry
+
+        role = registry.get(self.merge_method).base_role
+        if self.slices:
+            seen: dict[str, ModelEntry] = {}
+            for sl in self.slices:
+                for src in sl.sources:
+                    seen.setdefault(input_key(src.model), ModelEntry(model=src.model))
+            entries = list(seen.values())
+        else:
+            entries = list(self.models)
+        if self.base_model is None or role == "none":
+            return entries
+        base_key = input_key(self.base_model)
+        rest = [e for e in entries if input_key(e.model) != base_key]
+        if role == "base":
+            return rest
+        listed = [e for e in entries if input_key(e.model) == base_key]
+        return [*(listed[:1] or [ModelEntry(model=self.base_model)]), *rest]
 
 
 _PROBLEM = "merge_config"  # the pydantic error type of every problem found by the checks below
@@ -242,12 +424,82 @@ def _check_models(method, specs: list[Any], problems: _Problems, skip: frozenset
     for i, spec in enumerate(specs):
         if not isinstance(spec, str) or not spec or ("models", i, "model") in skip:
             continue
-        key = _input_key(spec)
+        key = input_key(spec)
         if key in seen:
             # twice the same task vector is not a merge of two tasks; a weight says "count it twice"
             problems.add(("models", i, "model"), f"'{spec}' is the same model as models.{seen[key]}; "
                                                  "list each input once (use weights to count one more)")
         seen.setdefault(key, i)
+
+
+def _check_slices(method, config: "MergeConfig", problems: _Problems) -> None:
+    """Each slice names as many models as the method takes, once each."""
+    base_key = input_key(config.base_model) if config.base_model else None
+    for i, sl in enumerate(config.slices or []):
+        keys = [input_key(s.model) for s in sl.sources]
+        if len(set(keys)) != len(keys):
+            problems.add(("slices", i, "sources"), "a slice names the same model twice")
+        merged = [k for k in keys if not (method.base_role == "base" and k == base_key)]
+        n = len(merged)
+        if n < method.min_models or (method.max_models is not None and n > method.max_models):
+            want = str(method.min_models) if method.min_models == method.max_models else f"at least {method.min_models}"
+            problems.add(("slices", i, "sources"), f"method '{method.name}' takes {want} models per slice (got {n})")
+        for j, src in enumerate(sl.sources):
+            _check_parameters(method, {}, [src.parameters], _Shifted(problems, ("slices", i, "sources", j)))
+
+
+class _Shifted:
+    """A `_Problems` view that files per-source parameter problems under the source's own path."""
+
+    def __init__(self, problems: _Problems, prefix: tuple) -> None:
+        self.problems, self.prefix = problems, prefix
+
+    def add(self, loc: tuple, message: str) -> None:
+        # `_check_parameters` files a source's parameters as models.0.parameters.<name>
+        self.problems.add((*self.prefix, *loc[2:]) if loc[:2] == ("models", 0) else loc, message)
+
+
+def _check_tokenizer_source(value: Optional[str], where: str) -> Optional[str]:
+    if value is None:
+        return None
+    if value.strip().lower() == "union":
+        raise ValueError(f"{where}: union is not supported yet; use base or the path of one of the merged models")
+    if value.strip().startswith("model:"):
+        value = value.strip()[len("model:"):].strip()  # mergekit's `model:<path>` form
+    return value
+
+
+def _density_as_drop_rate(data: dict[str, Any]) -> dict[str, Any]:
+    """mergekit's DARE takes `density` (the fraction kept); we call its complement `drop_rate`."""
+    def flip(value: Any) -> Any:
+        if isinstance(value, list):
+            return [flip(v) if not isinstance(v, dict) else {**v, "value": flip(v.get("value"))} for v in value]
+        try:
+            number = float(value) if not isinstance(value, bool) else None
+        except (TypeError, ValueError):
+            number = None
+        return value if number is None else 1.0 - number
+
+    def convert(params: Any) -> Any:
+        if not isinstance(params, dict) or "density" not in params or "drop_rate" in params:
+            return params  # both given: left for the checks to refuse `density`
+        params = dict(params)
+        params["drop_rate"] = flip(params.pop("density"))
+        return params
+
+    if "parameters" in data:
+        data["parameters"] = convert(data["parameters"])
+    for key in ("models",):
+        if isinstance(data.get(key), list):
+            data[key] = [dict(m, parameters=convert(m["parameters"])) if isinstance(m, dict) and "parameters" in m
+                         else m for m in data[key]]
+    if isinstance(data.get("slices"), list):
+        data["slices"] = [dict(sl, sources=[dict(src, parameters=convert(src["parameters"]))
+                                            if isinstance(src, dict) and "parameters" in src else src
+                                            for src in sl["sources"]])
+                          if isinstance(sl, dict) and isinstance(sl.get("sources"), list) else sl
+                          for sl in data["slices"]]
+    return data
 
 
 def _check_parameters(method, parameters: dict[str, Any], model_parameters: list[Any], problems: _Problems,
@@ -267,8 +519,15 @@ def _check_parameters(method, parameters: dict[str, Any], model_parameters: list
             value = _filtered_values(value)
         except ValueError:
             return  # malformed structure: reported by pydantic under the same path
-        entries = [(loc, value)] if not isinstance(value, list) else \
-            [((*loc, i, "value"), e.value) for i, e in enumerate(value)]
+        if not isinstance(value, list):
+            entries = [(loc, value)]
+        elif all(isinstance(e, FilteredValue) for e in value):
+            entries = []
+            for i, e in enumerate(value):
+                entries += [((*loc, i, "value", j), v) for j, v in enumerate(e.value)] if isinstance(e.value, list) \
+                    else [((*loc, i, "value"), e.value)]
+        else:
+            entries = [((*loc, i), v) for i, v in enumerate(value)]
         for where, v in entries:
             try:
                 pdef.check(v)
@@ -320,8 +579,8 @@ def _typed_parameters(data: Any) -> Any:
         for name, value in params.items():
             pdef = known.get(name)
             if pdef is not None and isinstance(value, list):
-                value = [{**e, "value": _checked_or_same(pdef, e["value"])} if isinstance(e, dict) and "value" in e
-                         else e for e in value]
+                value = [{**e, "value": _typed_setting(pdef, e["value"])} if isinstance(e, dict) and "value" in e
+                         else _typed_setting(pdef, e) for e in value]
             elif pdef is not None:
                 value = _checked_or_same(pdef, value)
             out[name] = value
@@ -332,6 +591,10 @@ def _typed_parameters(data: Any) -> Any:
         data["models"] = [dict(m, parameters=typed(m["parameters"])) if isinstance(m, dict) and "parameters" in m
                           else m for m in data["models"]]
     return data
+
+
+def _typed_setting(pdef: ParamDef, value: Any) -> Any:
+    return [_checked_or_same(pdef, v) for v in value] if isinstance(value, list) else _checked_or_same(pdef, value)
 
 
 def _checked_or_same(pdef: ParamDef, value: Any) -> Any:
@@ -355,11 +618,12 @@ def _raw_problems(data: Any, problems: _Problems, skip: frozenset[tuple]) -> Non
     models = data.get("models") if isinstance(data.get("models"), list) else []
     entries = [entry if isinstance(entry, dict) else {} for entry in models]
     model_parameters = [e.get("parameters") if isinstance(e.get("parameters"), dict) else {} for e in entries]
-    _check_models(method, [e.get("model") for e in entries], problems, skip)
+    if entries or not data.get("slices"):
+        _check_models(method, [e.get("model") for e in entries], problems, skip)
     _check_parameters(method, parameters if isinstance(parameters, dict) else {}, model_parameters, problems, skip)
 
 
-def _input_key(spec: str) -> str:
+def input_key(spec: str) -> str:
     """What makes two inputs the same model: the resolved directory for local paths (so `./a` and
     `a/` match), the spec itself for hub ids. Resolving a path reads no weights."""
     path = Path(spec).expanduser()
@@ -399,8 +663,8 @@ def config_from_options(*, models: list[str], recipe: Optional[str], base: Optio
         data = dict(read_recipe(recipe))
     if models:
         data["models"] = [{"model": m} for m in models]
-    if not data.get("models"):
-        raise RecipeError("no models to merge: pass model paths or a --recipe with models:")
+    if not data.get("models") and not data.get("slices"):
+        raise RecipeError("no models to merge: pass model paths or a --recipe with models: or slices:")
     if method or isotropic:
         data["merge_method"] = method or "iso-cts"
     parameters = dict(data.get("parameters") or {})

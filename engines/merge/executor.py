@@ -39,21 +39,26 @@ def combine(plan: MergePlan, method: MergeMethod, inputs: list[MergeInput], base
             ) -> Iterator[tuple[TensorTask, Optional[torch.Tensor], torch.Tensor]]:
     """Yield (task, base tensor in float32 or None, result). The result is the combined delta M
     for task-vector methods, the merged weight otherwise, and the stored tensor for copies."""
-    reference = base if base is not None else inputs[0]
     for task in reporter.track(plan.tasks, f"merging ({plan.method})"):
+        sources = task.sources or [(i, task.name) for i in range(len(inputs))]
+        base_name = task.base_name or (task.name if base is not None else None)
         if task.action == "copy":
-            yield task, None, reference.loader.get_tensor(task.name)
+            # non-float buffers come from the base (LoRA inputs have none), else the first source
+            stored = base.loader.get_tensor(base_name) if base is not None and base_name else \
+                inputs[sources[0][0]].loader.get_tensor(sources[0][1])
+            yield task, None, stored
             continue
-        base_t = base.loader.get_tensor(task.name).float() if base is not None else None
+        base_t = base.loader.get_tensor(base_name).float() if base is not None and base_name else None
         if method.uses_deltas:
-            tensors = [inp.delta(task.name, base_t) for inp in inputs]
+            tensors = [inputs[i].delta(name, base_t) for i, name in sources]
         else:
-            tensors = [inp.weight(task.name, base_t) for inp in inputs]
+            tensors = [inputs[i].weight(name, base_t) for i, name in sources]
         tensors = [t.to(device) for t in tensors]
-        job = TensorJob(task.name, task.matrix, dict(task.params), [dict(p) for p in task.model_params], task.seed)
+        job = TensorJob(task.name, task.matrix, dict(task.params), [dict(p) for p in task.model_params], task.seed,
+                        base=base_t.to(device) if base_t is not None else None)
         result = method.merge(tensors, job).to("cpu", torch.float32)
         if not all_finite(result):
-            raise _non_finite(task.name, method, inputs, tensors, base, base_t)
+            raise _non_finite(task.name, method, [inputs[i] for i, _ in sources], tensors, base, base_t)
         del tensors
         yield task, base_t, result
 
@@ -79,7 +84,8 @@ def apply_alpha(task: TensorTask, base_t: Optional[torch.Tensor], result: torch.
     """
     if task.action == "copy":
         return result
-    merged = base_t + alpha * result if (uses_deltas and base_t is not None) else result
+    scale = alpha * float(task.params.get("lambda", 1.0))
+    merged = base_t + scale * result if (uses_deltas and base_t is not None) else result
     merged = merged.to(getattr(torch, task.out_dtype))
     if not all_finite(merged):
         raise NonFiniteTensorError(f"'{task.name}' overflows to infinity in {task.out_dtype} at alpha {alpha:g}; "

@@ -98,3 +98,10 @@ ALPHA_LIMIT = 100.0
 ALPHA = ParamDef("alpha", float, 1.0, "scale of the merged task vector", low=-ALPHA_LIMIT, high=ALPHA_LIMIT)
 ALPHA_GRID_POINT = ParamDef("each alpha_grid point", float, None, "a point of the alpha sweep", low=0.0,
                             high=ALPHA_LIMIT)
+
+# mergekit's task-vector methods scale the combined delta by `lambda`; it multiplies α, per tensor.
+LAMBDA = ParamDef("lambda", float, 1.0, "scale of the combined task vector (mergekit's name; multiplies alpha)",
+                  low=-ALPHA_LIMIT, high=ALPHA_LIMIT)
+# Accepted so that mergekit configs run unchanged: mergekit stores its sign masks as int8 to save
+# memory; our masks are booleans already, so the setting changes nothing.
+INT8_MASK = ParamDef("int8_mask", bool, False, "accepted for mergekit configs; masks are always compact here")

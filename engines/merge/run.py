@@ -34,7 +34,11 @@ _TAG_ALONG = ["generation_config.json", "tokenizer.json", "tokenizer_config.json
 def prepare(config: MergeConfig, reporter: Reporter) -> tuple[MergePlan, list[MergeInput], Optional[MergeInput]]:
     """Resolve every input and build the plan; reads headers only."""
     method = registry.get(config.merge_method)
-    inputs = [resolve_input(entry.model, reporter) for entry in config.models]
+    entries = config.input_entries()
+    if config.base_model and len(entries) < len(config.models):
+        reporter.notice("the base model is listed among the models: it is the origin of the task vectors, "
+                        "not one of them")
+    inputs = [resolve_input(entry.model, reporter) for entry in entries]
     base_spec = config.base_model
     if base_spec is None and (method.needs_base or any(i.kind == "lora" for i in inputs)):
         base_spec = infer_base(inputs)
@@ -81,7 +85,10 @@ def run_merge(config: MergeConfig, out: Optional[str | Path], *, overwrite: bool
                 index = writer.finalize()
             if config.alpha == "auto":
                 index = json.loads((tmp / "model.safetensors.index.json").read_text())
-            _copy_side_files(base or inputs[0], tmp, plan)
+            _copy_side_files(base or inputs[0], _tokenizer_input(config, inputs, base), tmp, plan)
+            template = _chat_template(config, inputs, base, reporter)
+            if template is not None:
+                _write_chat_template(tmp, template)
             (tmp / "merge.yaml").write_text(config.to_yaml())
             shards = sorted(set(index["weight_map"].values()))
             result.update({"alpha": alpha, "tensors": len(plan.tasks), "shards": len(shards),
@@ -117,22 +124,22 @@ def _auto_alpha(config: MergeConfig, plan: MergePlan, method, inputs, base, tmp:
     with LazyTensorLoader.from_path(scratch / "delta") as stored:
         for task in reporter.track(plan.tasks, "writing"):
             if task.action == "copy":
-                writer.save(task.name, (base or inputs[0]).loader.get_tensor(task.name))
+                writer.save(task.name, (base or inputs[0]).loader.get_tensor(task.base_name or task.name))
                 continue
-            base_t = base.loader.get_tensor(task.name).float()
+            base_t = base.loader.get_tensor(task.base_name or task.name).float()
             writer.save(task.name, apply_alpha(task, base_t, stored.get_tensor(task.name), alpha, True))
     writer.finalize()
     shutil.rmtree(scratch)
     return alpha, curve
 
 
-def _copy_side_files(source: MergeInput, tmp: Path, plan: MergePlan) -> None:
-    """config.json (dtype updated) and tokenizer files from the base, else the first model.
+def _copy_side_files(source: MergeInput, tokenizer_source: MergeInput, tmp: Path, plan: MergePlan) -> None:
+    """config.json (dtype and layer count updated) and the generation config from the base, else the
+    first model; the tokenizer files from `tokenizer_source`.
 
     The config is the one parsed while planning, so a malformed file has already failed the run
     before any tensor was read.
     """
-    src = Path(source.path)
     if plan.reference_config is not None:
         cfg = dict(plan.reference_config)
         dtypes = {t.out_dtype for t in plan.tasks if t.action == "merge"}
@@ -143,5 +150,61 @@ def _copy_side_files(source: MergeInput, tmp: Path, plan: MergePlan) -> None:
                     cfg[key] = dtype
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     for name in _TAG_ALONG:
+        src = Path(tokenizer_source.path if name in _TOKENIZER_FILES else source.path)
         if (src / name).exists():
             shutil.copy2(src / name, tmp / name)
+
+
+_TOKENIZER_FILES = set(_TAG_ALONG) - {"generation_config.json"}
+
+
+def _tokenizer_input(config: MergeConfig, inputs: list[MergeInput], base: Optional[MergeInput]) -> MergeInput:
+    """The input whose tokenizer the output carries (validated to be the base or a merged model)."""
+    from mlxkit.engines.merge.config import input_key
+
+    policy = config.tokenizer_policy()
+    if policy in (None, "base"):
+        return base or inputs[0]
+    for inp in [*([base] if base else []), *inputs]:
+        if input_key(inp.spec) == input_key(policy):
+            return inp
+    raise InputError(f"tokenizer source '{policy}' is not one of the merged models or the base")
+
+
+def _stored_chat_template(inp: MergeInput) -> Optional[str]:
+    path = Path(inp.path)
+    if (path / "chat_template.jinja").is_file():
+        return (path / "chat_template.jinja").read_text()
+    try:
+        cfg = json.loads((path / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    template = cfg.get("chat_template") if isinstance(cfg, dict) else None
+    return template if isinstance(template, str) else None
+
+
+def _chat_template(config: MergeConfig, inputs: list[MergeInput], base: Optional[MergeInput],
+                   reporter: Reporter) -> Optional[str]:
+    """The template named by `chat_template`: `auto` is the one most of the inputs carry (mergekit's
+    rule), a known name its text, anything else a Jinja template given inline."""
+    from mlxkit.engines.merge.config import CHAT_TEMPLATES
+
+    choice = config.chat_template
+    if choice is None:
+        return None
+    if choice != "auto":
+        return CHAT_TEMPLATES.get(choice, choice)
+    found = [t for t in (_stored_chat_template(i) for i in inputs) if t]
+    if not found:
+        reporter.notice("chat_template: auto found no chat template in the inputs; the output keeps its tokenizer's")
+        return None
+    return max(set(found), key=found.count)
+
+
+def _write_chat_template(tmp: Path, template: str) -> None:
+    cfg_path = tmp / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+    cfg["chat_template"] = template
+    cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
+    # transformers reads chat_template.jinja before the config's key, so both must say the same
+    (tmp / "chat_template.jinja").write_text(template)

@@ -2,15 +2,20 @@
 
 A method combines one tensor at a time. Task-vector methods (`uses_deltas = True`) receive
 the task vectors Δ_t = θ_t − θ_base in float32 and return the combined delta M; the executor
-writes θ_base + α·M. Weight-space methods (linear, slerp) receive the models' own weights and
-return the merged weight. Methods never read files and never see more than one tensor name.
+writes θ_base + α·M (times the per-tensor `lambda`, mergekit's name for α, when the method
+declares it). Weight-space methods (linear, slerp) receive the models' own weights and return
+the merged weight. Methods never read files and never see more than one tensor name.
+
+`base_role` says what a base model listed among the inputs means (mergekit's rules): "base"
+takes it out of the inputs (it is the origin of the task vectors), "input" puts it first (SLERP's
+t = 0), "none" leaves the inputs as listed.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal, Optional
 
 import torch
 
@@ -29,6 +34,7 @@ class TensorJob:
     params: dict[str, Any]            # global parameters, resolved for this tensor and checked
     model_params: list[dict[str, Any]] = field(default_factory=list)  # one dict per input model, same
     seed: int = 0                     # per-tensor seed for random methods (stable across runs)
+    base: Optional[torch.Tensor] = None  # the base tensor in float32 on the compute device, when there is one
 
 
 class MergeMethod(ABC):
@@ -38,6 +44,7 @@ class MergeMethod(ABC):
     min_models: ClassVar[int] = 1
     max_models: ClassVar[int | None] = None
     reference: ClassVar[str] = ""
+    base_role: ClassVar[Literal["base", "input", "none"]] = "base"
 
     def parameters(self) -> list[ParamDef]:
         return []

@@ -10,6 +10,7 @@ import torch
 from mlxkit.engines.merge.methods.base import (WEIGHT, MergeMethod, ParamDef, TensorJob, tensor_generator,
                                               weights_of)
 from mlxkit.engines.merge.methods.ties import sign_consensus_mean
+from mlxkit.engines.merge.params import INT8_MASK, LAMBDA
 
 
 def drop_and_rescale(delta: torch.Tensor, drop_rate: float, rescale: bool, gen: torch.Generator) -> torch.Tensor:
@@ -34,7 +35,8 @@ class Dare(MergeMethod):
 
     def parameters(self) -> list[ParamDef]:
         return [ParamDef("rescale", bool, True, "rescale survivors by 1/(1-drop_rate)"),
-                ParamDef("normalize", bool, self.consensus, "divide by the (agreeing) weights")]
+                ParamDef("normalize", bool, self.consensus, "divide by the (agreeing) weights"),
+                LAMBDA, INT8_MASK]
 
     def model_parameters(self) -> list[ParamDef]:
         return [WEIGHT, ParamDef("drop_rate", float, 0.9, "probability of dropping each delta entry",

@@ -12,6 +12,7 @@ class Linear(MergeMethod):
     name = "linear"
     uses_deltas = False
     needs_base = False
+    base_role = "none"
     reference = "https://arxiv.org/abs/2203.05482"
 
     def parameters(self) -> list[ParamDef]:

@@ -3,18 +3,31 @@
 from __future__ import annotations
 
 from mlxkit.engines.errors import InputError
+from mlxkit.engines.merge.methods.arcee_fusion import ArceeFusion
 from mlxkit.engines.merge.methods.base import MergeMethod
+from mlxkit.engines.merge.methods.breadcrumbs import Breadcrumbs
 from mlxkit.engines.merge.methods.dare import Dare
+from mlxkit.engines.merge.methods.della import Della
 from mlxkit.engines.merge.methods.iso_c import IsoC
 from mlxkit.engines.merge.methods.iso_cts import IsoCTS
+from mlxkit.engines.merge.methods.karcher import Karcher
 from mlxkit.engines.merge.methods.linear import Linear
+from mlxkit.engines.merge.methods.model_stock import ModelStock
+from mlxkit.engines.merge.methods.multislerp import MultiSlerp
+from mlxkit.engines.merge.methods.nuslerp import NuSlerp
+from mlxkit.engines.merge.methods.passthrough import Passthrough
+from mlxkit.engines.merge.methods.sce import Sce
 from mlxkit.engines.merge.methods.slerp import Slerp
 from mlxkit.engines.merge.methods.task_arithmetic import TaskArithmetic
 from mlxkit.engines.merge.methods.ties import Ties
+from mlxkit.engines.merge.methods.tsv_m import TsvM
 
 METHODS: dict[str, MergeMethod] = {m.name: m for m in [
-    IsoC(), IsoCTS(), TaskArithmetic(), Ties(), Dare("dare-ties", consensus=True),
-    Dare("dare-linear", consensus=False), Linear(), Slerp(),
+    IsoC(), IsoCTS(), TsvM(), TaskArithmetic(), Ties(), Dare("dare-ties", consensus=True),
+    Dare("dare-linear", consensus=False), Breadcrumbs("breadcrumbs", consensus=False),
+    Breadcrumbs("breadcrumbs-ties", consensus=True), Della("della", consensus=True),
+    Della("della-linear", consensus=False), Sce(), ModelStock(), ArceeFusion(), Linear(), Slerp(), NuSlerp(),
+    MultiSlerp(), Karcher(), Passthrough(),
 ]}
 
 

@@ -29,6 +29,7 @@ class Slerp(MergeMethod):
     name = "slerp"
     uses_deltas = False
     needs_base = False
+    base_role = "input"
     min_models = 2
     max_models = 2
     reference = "https://en.wikipedia.org/wiki/Slerp"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from mlxkit.engines.merge.methods.base import MergeMethod, ParamDef, TensorJob
+from mlxkit.engines.merge.params import INT8_MASK, LAMBDA
 
 
 class TaskArithmetic(MergeMethod):
@@ -12,7 +13,7 @@ class TaskArithmetic(MergeMethod):
     reference = "https://arxiv.org/abs/2212.04089"
 
     def parameters(self) -> list[ParamDef]:
-        return [ParamDef("normalize", bool, False, "divide by the sum of the weights")]
+        return [ParamDef("normalize", bool, False, "divide by the sum of the weights"), LAMBDA, INT8_MASK]
 
     def merge(self, tensors: list[torch.Tensor], job: TensorJob) -> torch.Tensor:
         weights = [p["weight"] for p in job.model_params]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from mlxkit.engines.merge.methods.base import WEIGHT, MergeMethod, ParamDef, TensorJob, weights_of
+from mlxkit.engines.merge.params import INT8_MASK, LAMBDA
 
 
 def magnitude_trim(delta: torch.Tensor, density: float) -> torch.Tensor:
@@ -43,7 +44,8 @@ class Ties(MergeMethod):
     reference = "https://arxiv.org/abs/2306.01708"
 
     def parameters(self) -> list[ParamDef]:
-        return [ParamDef("normalize", bool, True, "disjoint mean (divide by the weights of agreeing entries)")]
+        return [ParamDef("normalize", bool, True, "disjoint mean (divide by the weights of agreeing entries)"),
+                LAMBDA, INT8_MASK]
 
     def model_parameters(self) -> list[ParamDef]:
         return [WEIGHT, ParamDef("density", float, 0.2, "fraction of each task vector's entries kept (by magnitude)",
