@@ -21,8 +21,9 @@ from mlxkit.engines.errors import MlxkitError
 F = TypeVar("F", bound=Callable)
 _stderr = Console(stderr=True)
 
-# Exceptions outside our hierarchy that still mean "bad input" and deserve one line.
-_FOREIGN_INPUT_ERRORS: tuple[type[BaseException], ...] = (FileNotFoundError, IsADirectoryError, PermissionError)
+# OSErrors that mean "bad input" (exit 2); any other OSError (a full disk, an I/O error) exits 1.
+_FOREIGN_INPUT_ERRORS: tuple[type[BaseException], ...] = (FileNotFoundError, IsADirectoryError, NotADirectoryError,
+                                                          FileExistsError, PermissionError)
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 EXIT_TERMINATED = 143  # 128 + SIGTERM
@@ -59,6 +60,18 @@ def print_json_error(error_type: str, message: str, exit_code: int) -> None:
     sys.stdout.flush()
 
 
+def os_error_message(exc: OSError) -> str:
+    """`reason: path` for an OSError, naming the path the user asked for rather than our hidden temporary."""
+    from mlxkit.engines.core.atomic import user_path
+
+    paths = [user_path(os.fsdecode(p) if isinstance(p, (str, bytes, os.PathLike)) else str(p))
+             for p in (exc.filename, exc.filename2) if p not in (None, "")]
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    if not paths:
+        return reason
+    return f"{reason}: {' -> '.join(paths) if len(paths) == 2 and paths[0] != paths[1] else paths[0]}"
+
+
 def guarded(func: F) -> F:
     """Run a CLI command; errors become `error: ...` and a non-zero exit code.
 
@@ -73,9 +86,9 @@ def guarded(func: F) -> F:
             return func(*args, **kwargs)
         except MlxkitError as exc:
             raise fail(str(exc), exc.exit_code, type(exc).__name__) from None
-        except _FOREIGN_INPUT_ERRORS as exc:
-            message = f"{exc.strerror or exc}: {exc.filename}" if getattr(exc, "filename", None) else str(exc)
-            raise fail(message, 2, type(exc).__name__) from None
+        except OSError as exc:
+            code = 2 if isinstance(exc, _FOREIGN_INPUT_ERRORS) else 1
+            raise fail(os_error_message(exc), code, type(exc).__name__) from None
         except Terminated:
             raise fail("terminated (SIGTERM); nothing partial was written (rerun to resume where supported)",
                        EXIT_TERMINATED, "Terminated") from None

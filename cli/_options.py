@@ -8,12 +8,13 @@ check them with `check_placement` before any model loads.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Callable, Optional
+from typing import Annotated, Any, Callable, Iterable, Iterator, Literal, Optional
 
 import typer
 from rich.console import Console
@@ -118,6 +119,24 @@ def check_placement(device: str, dtype: Optional[str] = "auto", save_dtype: Opti
         resolve_dtype(save_dtype, resolved)
 
 
+@contextlib.contextmanager
+def claimed_output(out: Optional[Path], *, kind: Literal["dir", "file"], inputs: Iterable[Any] = (),
+                   lock: bool = True) -> Iterator[Optional[Path]]:
+    """Check `--out` before any work (`engines/core/outputs.py`) and hold it for the whole run.
+
+    Under a launcher only rank 0 takes the lock: the other ranks are the same run. `out=None` (a dry
+    run, a verb whose output is optional) checks nothing; `lock=False` checks without holding.
+    """
+    if out is None:
+        yield None
+        return
+    from mlxkit.engines.core.outputs import claim_output
+
+    specs = [str(i) if isinstance(i, Path) else i for i in inputs if isinstance(i, (str, Path))]
+    with claim_output(out, kind=kind, inputs=specs, lock=lock and launch_rank() == 0) as resolved:
+        yield resolved
+
+
 def canonical_dtype(spec: Optional[str]) -> Optional[str]:
     """A dtype flag's full torch name (`bf16` → `bfloat16`); None for no value or `auto`."""
     if spec is None or spec.strip().lower() in ("", "auto"):
@@ -151,3 +170,19 @@ def parse_overrides(pairs: list[str]) -> dict[str, object]:
         except yaml.YAMLError:
             raise fail(f"--set {key}: cannot read the value '{raw}'") from None
     return overrides
+
+
+def flags_and_overrides(flags: dict[str, tuple[str, Any]], pairs: list[str], set_flag: str = "--set") -> dict[str, object]:
+    """Recipe overrides from a verb's own flags (`{field: (flag, value or None)}`) and `--set` pairs.
+
+    A field given by both is a usage error, whichever value would have won: neither is dropped silently.
+    """
+    overrides = parse_overrides(pairs)
+    settings: dict[str, object] = {}
+    for key, (flag, value) in flags.items():
+        if value is None:
+            continue
+        if key in overrides:
+            raise fail(f"{flag} and {set_flag} {key}= both set {key}; give one of them")
+        settings[key] = value
+    return {**settings, **overrides}

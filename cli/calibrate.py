@@ -10,7 +10,7 @@ from rich.table import Table
 
 from mlxkit.cli._errors import fail, guarded
 from mlxkit.cli._options import (DeviceOpt, JsonOpt, Output, QuietOpt, SeedOpt, VerboseOpt, check_placement,
-                                 console)
+                                 claimed_output, console)
 
 
 def _ints(text: str, flag: str) -> tuple[int, ...]:
@@ -67,7 +67,8 @@ def calibrate_command(
                                    seqs=_ints(seq, "--seq"), copies=copies, repeats=repeats,
                                    decode_steps=decode_steps, dtype=dtype, threads=threads or None, clock=clock,
                                    base_profile=base, seed=seed, engine=engine)
-    result = run_calibrate(settings, out, overwrite=overwrite, reporter=output.reporter)
+    with claimed_output(out, kind="file", inputs=[model, base]):
+        result = run_calibrate(settings, out, overwrite=overwrite, reporter=output.reporter)
     report = result.report
     output.emit({"profile": str(result.profile_path), "report": str(result.report_path), "device": report["device"],
                  "fitted": report["fitted"], "summary": report["summary"], "whole_model": report["whole_model"]},

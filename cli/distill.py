@@ -11,7 +11,7 @@ from rich.table import Table
 from mlxkit.cli._errors import fail, guarded
 from mlxkit.cli._options import (AllowPickleOpt, DataOpt, DeviceOpt, DtypeOpt, JsonOpt, Output, OverwriteOpt,
                                  QuietOpt, RecipeOpt, SaveDtypeOpt, SeedOpt, SetOpt, ShardingOpt, TextFieldOpt,
-                                 VerboseOpt, check_placement, console)
+                                 VerboseOpt, check_placement, claimed_output, console)
 
 
 @guarded
@@ -57,18 +57,20 @@ def distill_command(
     if gkd or kd:
         from mlxkit.cli.distill_global import run_global_distillation
 
-        return run_global_distillation(mode="gkd" if gkd else "kd", teacher=teacher, student=student, out=out,
-                                       data=data, text_field=text_field, recipe=recipe, tokens=tokens,
-                                       overrides=overrides, seed=seed, overwrite=overwrite, allow_pickle=allow_pickle,
-                                       device=device, dtype=dtype, save_dtype=save_dtype, sharding=sharding,
-                                       output=output)
+        with claimed_output(out, kind="dir", inputs=[teacher, student, data]):
+            return run_global_distillation(mode="gkd" if gkd else "kd", teacher=teacher, student=student, out=out,
+                                           data=data, text_field=text_field, recipe=recipe, tokens=tokens,
+                                           overrides=overrides, seed=seed, overwrite=overwrite,
+                                           allow_pickle=allow_pickle, device=device, dtype=dtype,
+                                           save_dtype=save_dtype, sharding=sharding, output=output)
     if score_only and (no_score or init_only):
         raise fail("--score-only cannot be combined with --no-score or --init-only")
     options = DistillOptions(model=model, out=out, recipe=load_recipe(recipe or "quick"), data=data,
                              text_field=text_field, seed=seed, train=not init_only, score=not no_score,
                              score_only=score_only, allow_pickle=allow_pickle, device=device, dtype=dtype,
                              save_dtype=save_dtype)
-    summary = run_distill(options, output.reporter)
+    with claimed_output(out, kind="dir", inputs=[model, data]):
+        summary = run_distill(options, output.reporter)
     if not summary:  # a non-zero rank of a distributed run: rank 0 reports
         return
     output.emit(summary, lambda s: _render_library(s, quiet))

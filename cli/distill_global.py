@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mlxkit.cli._errors import fail
-from mlxkit.cli._options import Output, console, parse_overrides
+from mlxkit.cli._options import Output, console, flags_and_overrides
 
 
 def run_global_distillation(*, mode: str, teacher: str | None, student: str | None, out: Path, data: Path | None,
@@ -19,7 +19,9 @@ def run_global_distillation(*, mode: str, teacher: str | None, student: str | No
         raise fail(f"--{mode} needs --teacher and --student")
     if tokens is not None and tokens < 1:
         raise fail(f"--tokens must be positive (got {tokens})")
-    loaded = load_distill_recipe(recipe or mode).with_overrides(parse_overrides(overrides))
+    # --tokens reaches the trainer as its own option; checked here only so that it never silently beats --set.
+    flags_and_overrides({"schedule.tokens": ("--tokens", tokens)}, overrides)
+    loaded = load_distill_recipe(recipe or mode).with_overrides(flags_and_overrides({}, overrides))
     options = DistillationOptions(mode=mode, teacher=teacher, student=student, out=out, recipe=loaded, data=data,  # type: ignore[arg-type]
                                   text_field=text_field, tokens=tokens, seed=seed, overwrite=overwrite,
                                   allow_pickle=allow_pickle, device=device, dtype=dtype, save_dtype=save_dtype,

@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from mlxkit.cli._errors import guarded
-from mlxkit.cli._options import JsonOpt, Output, OverwriteOpt, QuietOpt, VerboseOpt, console
+from mlxkit.cli._options import JsonOpt, Output, OverwriteOpt, QuietOpt, VerboseOpt, claimed_output, console
 
 
 @guarded
@@ -29,8 +29,9 @@ def export_command(
     from mlxkit.engines.export import describe_plan, plan_export, run_export
 
     output = Output(json_out, quiet, verbose)
-    plan = plan_export(model, fmt, out, dtype, overwrite=overwrite, reporter=output.reporter)
-    result = describe_plan(plan) if dry_run else run_export(plan, overwrite=overwrite, reporter=output.reporter)
+    with claimed_output(out, kind="file" if fmt == "gguf" else "dir", inputs=[model], lock=not dry_run):
+        plan = plan_export(model, fmt, out, dtype, overwrite=overwrite, reporter=output.reporter)
+        result = describe_plan(plan) if dry_run else run_export(plan, overwrite=overwrite, reporter=output.reporter)
     output.emit(result, lambda r: _render(model, fmt, r, dry_run, quiet))
 
 

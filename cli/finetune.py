@@ -13,8 +13,8 @@ import typer
 
 from mlxkit.cli._errors import fail, guarded
 from mlxkit.cli._options import (AllowPickleOpt, DeviceOpt, DtypeOpt, JsonOpt, Output, OverwriteOpt, QuietOpt,
-                                 SaveDtypeOpt, SeedOpt, ShardingOpt, TextFieldOpt, VerboseOpt, check_placement, console,
-                                 parse_overrides, set_option)
+                                 SaveDtypeOpt, SeedOpt, ShardingOpt, TextFieldOpt, VerboseOpt, check_placement,
+                                 claimed_output, console, flags_and_overrides, set_option)
 
 SetOpt = set_option(help="Override any recipe field, key=value (repeatable), e.g. --set htuning.mix_coef=0.9.")
 
@@ -75,20 +75,22 @@ def finetune_command(
         if merge or objective is not None:
             raise fail("--merge and --objective are for language-model recipes, not crt")
         phase = "train" if new_attack is None else "finetune"
-        flags = {f"{phase}.steps": steps, "optim.batch_size": batch, f"{phase}.lr": lr}
-        settings = {key: value for key, value in flags.items() if value is not None}
-        _crt(base.with_overrides({**settings, **parse_overrides(overrides)}), model, data, out, attacks,
-             new_attack, eval_data, seed, overwrite, placement, output)
+        crt_flags = {f"{phase}.steps": ("--steps", steps), "optim.batch_size": ("--batch", batch),
+                     f"{phase}.lr": ("--lr", lr)}
+        with claimed_output(out, kind="dir", inputs=[model, data, eval_data]):
+            _crt(base.with_overrides(flags_and_overrides(crt_flags, overrides)), model, data, out, attacks,
+                 new_attack, eval_data, seed, overwrite, placement, output)
         return
     if attacks is not None or new_attack is not None:
         raise fail("--attacks and --new-attack belong to --recipe crt")
-    flags = {"schedule.steps": steps, "optim.batch_sequences": batch, "optim.lr": lr, "objective": objective}
-    settings = {key: value for key, value in flags.items() if value is not None}
-    loaded = base.with_overrides({**settings, **parse_overrides(overrides)})
+    flags = {"schedule.steps": ("--steps", steps), "optim.batch_sequences": ("--batch", batch), "optim.lr": ("--lr", lr),
+             "objective": ("--objective", objective)}
+    loaded = base.with_overrides(flags_and_overrides(flags, overrides))
     options = FinetuneOptions(model=model or "smollm2-135m", data=data, out=out, recipe=loaded, eval_data=eval_data,
                               text_field=text_field, merge=merge, seed=seed, overwrite=overwrite,
                               allow_pickle=allow_pickle, sharding=sharding, **placement)
-    summary = run_finetune(options, output.reporter)
+    with claimed_output(out, kind="dir", inputs=[model, data, eval_data]):
+        summary = run_finetune(options, output.reporter)
     if not summary:  # a non-zero rank of a distributed run: rank 0 reports
         return
     output.emit(summary, _render)

@@ -14,7 +14,7 @@ from rich.table import Table
 
 from mlxkit.cli._errors import fail, guarded
 from mlxkit.cli._options import (DeviceOpt, JsonOpt, Output, OverwriteOpt, QuietOpt, RecipeOpt, VerboseOpt,
-                                 canonical_dtype, check_pairs, check_placement, console, set_option)
+                                 canonical_dtype, check_pairs, check_placement, claimed_output, console, set_option)
 from mlxkit.engines.core.sizes import SIZE_HELP
 from mlxkit.engines.merge.params import ALPHA
 
@@ -60,7 +60,9 @@ def merge_command(
                                  alpha=alpha, eval_data=eval_data or [], common_frac=common_frac, params=params,
                                  average_embeddings=average_embeddings, dtype=out_dtype,
                                  max_shard_size=max_shard_size, seed=seed)
-    result = run_merge(config, out, overwrite=overwrite, dry_run=dry_run, device=device, reporter=output.reporter)
+    sources = [entry.model for entry in config.models] + [config.base_model, *config.eval_data]
+    with claimed_output(out, kind="dir", inputs=sources, lock=not dry_run):
+        result = run_merge(config, out, overwrite=overwrite, dry_run=dry_run, device=device, reporter=output.reporter)
     output.emit(result, _render_plan if dry_run else (None if quiet else _render))
 
 

@@ -9,8 +9,8 @@ import typer
 
 from mlxkit.cli._errors import fail, guarded
 from mlxkit.cli._options import (AllowPickleOpt, DataOpt, DeviceOpt, DtypeOpt, JsonOpt, Output, OverwriteOpt,
-                                 QuietOpt, RecipeOpt, SaveDtypeOpt, SeedOpt, ShardingOpt, VerboseOpt, check_placement, console,
-                                 parse_overrides, set_option)
+                                 QuietOpt, RecipeOpt, SaveDtypeOpt, SeedOpt, ShardingOpt, VerboseOpt, check_placement,
+                                 claimed_output, console, flags_and_overrides, set_option)
 from mlxkit.engines.core.sizes import SIZE_HELP
 
 GkdSetOpt = set_option("--gkd-set", help="Override a field of the GKD recipe (--gkd-recipe), key=value "
@@ -42,7 +42,8 @@ def search_command(
     gkd_recipe: Annotated[str, typer.Option("--gkd-recipe", help="Distillation recipe for --gkd-tokens (name or YAML path).")] = "gkd",
     gkd_set: GkdSetOpt = [],
     export: Annotated[Optional[str], typer.Option("--export", help="Search only what this serving format can hold (gguf: no linear FFN; nemotron-nas: widths exact as ffn_mult), then export the child into --out: model-DTYPE.gguf or export-FORMAT/.")] = None,
-    export_dtype: Annotated[str, typer.Option("--export-dtype", help="f32 | f16 | q8_0 (q8_0: gguf only).")] = "f32",
+    export_dtype: Annotated[Optional[str], typer.Option("--export-dtype", help="f32 | f16 | q8_0 (q8_0: gguf only; "
+                                                        "default f32). Needs --export.")] = None,
     data: DataOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
@@ -69,6 +70,9 @@ def search_command(
         report = price_only(model, target, scenario, recipe or "quick", reporter)
         output.emit(report, lambda r: render_costs(r, console))
         return
+    flags_and_overrides({"schedule.tokens": ("--gkd-tokens", gkd_tokens)}, gkd_set, "--gkd-set")  # neither silently wins
+    if export_dtype is not None and export is None:
+        raise fail("--export-dtype sets the dtype of the exported child; it needs --export")
     if gkd_tokens and dry_run:
         raise fail("--gkd-tokens trains the saved child; it cannot be combined with --dry-run")
     try:
@@ -82,7 +86,7 @@ def search_command(
                             metric=metric, solutions=solutions, min_distance=min_distance, batch_sweep=sweep,
                             write_costs=write_costs, write_lp=write_lp, seed=seed, overwrite=overwrite,
                             allow_pickle=allow_pickle, gkd_tokens=gkd_tokens, gkd_recipe=gkd_recipe,
-                            gkd_overrides=parse_overrides(gkd_set), export=export, export_dtype=export_dtype,
+                            gkd_overrides=flags_and_overrides({}, gkd_set), export=export, export_dtype=export_dtype or "f32",
                             device=device, dtype=dtype, save_dtype=save_dtype, sharding=sharding)
     if throughput is not None and "," in throughput:
         if not dry_run:
@@ -90,4 +94,6 @@ def search_command(
         result = search_frontier(options, [t.strip() for t in throughput.split(",")], reporter)
         output.emit(result, lambda r: render_frontier(r, console))
         return
-    output.emit(run_search(options, reporter), lambda r: render_search(r, console, quiet))
+    with claimed_output(options.out, kind="dir", inputs=[model, library, data]):
+        result = run_search(options, reporter)
+    output.emit(result, lambda r: render_search(r, console, quiet))

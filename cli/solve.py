@@ -9,7 +9,8 @@ import typer
 from rich.table import Table
 
 from mlxkit.cli._errors import guarded
-from mlxkit.cli._options import JsonOpt, Output, OverwriteOpt, QuietOpt, VerboseOpt, check_placement, console
+from mlxkit.cli._options import (JsonOpt, Output, OverwriteOpt, QuietOpt, VerboseOpt, check_placement, claimed_output,
+                                 console)
 
 
 @guarded
@@ -40,8 +41,9 @@ def solve_command(
     check_placement(device, dtype=None)
     keep_freed_memory()  # this process is ours: reuse freed pages across elimination levels
     output = Output(json_out, quiet, verbose)
-    report, _ = run_solve(file, rhs=rhs, grid=grid, method=method, nullspace=nullspace, dtype=dtype, leaf=leaf,
-                          out=out, overwrite=overwrite, device=device, reporter=output.reporter)
+    with claimed_output(out, kind="file", inputs=[file, rhs]):
+        report, _ = run_solve(file, rhs=rhs, grid=grid, method=method, nullspace=nullspace, dtype=dtype, leaf=leaf,
+                              out=out, overwrite=overwrite, device=device, reporter=output.reporter)
     output.emit(report, lambda r: _render(file, out, r, quiet))
 
 

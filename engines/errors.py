@@ -52,3 +52,9 @@ class NonFiniteError(MlxkitError, ArithmeticError):
     """A computed result (a loss, a merged tensor, a score) came out NaN or infinite."""
 
     exit_code = 8
+
+
+class OutputBusyError(MlxkitError):
+    """Another run holds the output (its lock file names the host and pid)."""
+
+    exit_code = 9

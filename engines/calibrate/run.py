@@ -309,7 +309,7 @@ def run_calibrate(settings: CalibrationSettings, out: str | Path, *, overwrite: 
                         task.advance()
             del model
 
-    return _fit_and_write(runs, parent, base, settings, weight_dtype, out, reporter)
+    return _fit_and_write(runs, parent, base, settings, weight_dtype, out, reporter, overwrite=overwrite)
 
 
 def _check_llamacpp_settings(settings: CalibrationSettings) -> None:
@@ -356,7 +356,7 @@ def _llamacpp_timer(model, tokenizer, settings: CalibrationSettings,
 
 
 def _fit_and_write(runs: list[_Run], parent: ParentShape, base: HardwareProfile, settings: CalibrationSettings,
-                   weight_dtype: str, out: Path, reporter: Reporter) -> CalibrationResult:
+                   weight_dtype: str, out: Path, reporter: Reporter, *, overwrite: bool = True) -> CalibrationResult:
     """Fit the profile to the small-model timings, then write the profile and the report."""
     import torch
 
@@ -417,7 +417,7 @@ def _fit_and_write(runs: list[_Run], parent: ParentShape, base: HardwareProfile,
     report.update(profile=str(out), device=device_name, date=today, model=settings.model)
     report_path = out.with_name(out.stem + ".report.json")
     atomic_write_text(out, "# Written by `mlx calibrate` (see engines/hardware/profile.py for the fields).\n" +
-                      profile.to_yaml())
+                      profile.to_yaml(), overwrite=overwrite)
     atomic_write_text(report_path, json.dumps(report, indent=2) + "\n")
     return CalibrationResult(profile, out, report_path, report)
 

@@ -47,7 +47,7 @@ from mlxkit.engines.training.sharding import (full_state_dict, is_sharded, load_
                                               save_sharded_checkpoint, shard_model, sharding_on)
 from mlxkit.engines.training.step import (check_global_batch, clip_and_step, decoder_states,
                                           enable_gradient_checkpointing, place_frozen, place_trainable,
-                                          set_learning_rate, term_sums)
+                                          release_training_state, set_learning_rate, term_sums)
 from mlxkit.engines.training.work import check_run_key, finished_run_key, refuse_existing_output, work_dir_beside
 
 Mode = Literal["gkd", "kd"]
@@ -166,7 +166,8 @@ class DistillationRun(TrainingRun):
                 "recipe": self.recipe.model_dump(exclude={"schedule", "name", "description"})}
 
     def _check_or_write_run_key(self) -> None:
-        check_run_key(self.work, self._run_key(), self.dist)
+        check_run_key(self.work, self._run_key(), self.dist, overwrite=self.options.overwrite,
+                      reporter=self.reporter)
 
     def _token_blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
         path = self.work / "tokens.pt"
@@ -272,6 +273,9 @@ class DistillationRun(TrainingRun):
         finished = loop.run(title=f"{self.options.mode.upper()}: {self.steps} steps of {tokens_per_step} tokens",
                             step=self.train_step, evaluate=self.evaluate, optimizer=self.optimizer,
                             checkpoint=self._save_checkpoint)
+        if finished:
+            self.teacher = None  # the last evaluation is done: writing the output needs only the student
+            release_training_state(self.optimizer)
         if finished and self.sharded:
             self.full_state = full_state_dict(self.student)  # every rank takes part; rank 0 receives it
         if not finished or not self.dist.is_main:
@@ -321,6 +325,7 @@ class DistillationRun(TrainingRun):
 
         plain = load_model(self.student_source, with_tokenizer=False, allow_pickle=self.options.allow_pickle).model
         plain.load_state_dict(self.full_state, strict=True)
+        self.full_state = {}
         return plain
 
 

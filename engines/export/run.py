@@ -59,7 +59,7 @@ def run_export(plan: ExportPlan, *, overwrite: bool = False, reporter: Reporter 
     if plan.format == "gguf":
         from mlxkit.engines.export.gguf_export import write_gguf
 
-        with atomic_file(plan.out) as tmp:
+        with atomic_file(plan.out, overwrite=overwrite) as tmp:
             written = write_gguf(plan, tmp, plan.out.stem, reporter)
         for note in written.pop("notes"):  # known once the tensors are typed (q8_0 fallbacks)
             reporter.notice(note)

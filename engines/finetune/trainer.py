@@ -45,7 +45,7 @@ from mlxkit.engines.training.spec import build_adamw, gradient_checkpointing_on
 from mlxkit.engines.training.sharding import (full_state_dict, load_sharded_checkpoint, save_sharded_checkpoint,
                                               shard_model, sharding_on)
 from mlxkit.engines.training.step import (check_global_batch, clip_and_step, enable_gradient_checkpointing,
-                                          place_trainable, set_learning_rate)
+                                          place_trainable, release_training_state, set_learning_rate)
 from mlxkit.engines.training.work import check_run_key, finished_run_key, refuse_existing_output, work_dir_beside
 
 LOG_NAME = "finetune_log.jsonl"
@@ -116,7 +116,8 @@ class FinetuneRun(TrainingRun):
         self.steps = recipe.schedule.steps
         spec = recipe.optim
         self.optimizer = build_adamw(self.params, spec)
-        check_run_key(self.work, self._run_key(), self.dist)
+        check_run_key(self.work, self._run_key(), self.dist, overwrite=self.options.overwrite,
+                      reporter=self.reporter)
         self.state = TrainingState(0, 0, 0, {"train_seconds": 0.0})
         resumed = self._load_checkpoint()
         if resumed is not None:
@@ -160,6 +161,7 @@ class FinetuneRun(TrainingRun):
         torch.manual_seed(derive_seed(self.options.seed, "finetune"))
         model, peft = build_model(lm, self.recipe, self.labels, model_spec=f"model '{self.options.model}'")
         lm.load_state_dict(self.full_state, strict=True)
+        self.full_state = {}
         return model, peft
 
     def _check_options(self) -> None:
@@ -236,6 +238,8 @@ class FinetuneRun(TrainingRun):
         finished = loop.run(title=f"{self.recipe.method}: {self.steps} steps of {self.recipe.optim.batch_sequences} "
                                   "sequences", step=self.train_step, evaluate=self.evaluate, optimizer=self.optimizer,
                             checkpoint=self._save_checkpoint)
+        if finished:
+            release_training_state(self.optimizer)
         if finished and self.sharded:
             self.full_state = full_state_dict(self.model.lm)  # every rank takes part; rank 0 receives it
         if not finished or not self.dist.is_main:

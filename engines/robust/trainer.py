@@ -163,7 +163,8 @@ class CrtRun(TrainingRun):
         self.eval_attacks = build_attacks(recipe, self.attack_names, for_eval=True)
         self.optimizer = self._optimizer()
         self.sampler = ContinualSampler({name: 0.0 for name in self.attack_names}, recipe.sampler.momentum)
-        check_run_key(self.work, self._run_key(), self.dist)
+        check_run_key(self.work, self._run_key(), self.dist, overwrite=self.options.overwrite,
+                      reporter=self.reporter)
         self.state = TrainingState(0, 0, 0, {"train_seconds": 0.0})
         resumed = load_checkpoint(self.work / "checkpoint", self.model, self.optimizer)
         if resumed is not None:

@@ -87,7 +87,7 @@ def _save(out: Path, x: np.ndarray, report: dict, overwrite: bool) -> None:
     out = Path(out)
     if out.exists() and not overwrite:
         raise InputError(f"output '{out}' already exists (pass --overwrite to replace it)")
-    with atomic_file(out) as tmp:
+    with atomic_file(out, overwrite=overwrite) as tmp:
         np.savez(tmp, x=x, residual=np.float64(report["residual"]), method=np.str_(report["method"]),
                  factor_s=np.float64(report["factor_s"]), solve_s=np.float64(report["solve_s"]),
                  report=np.str_(json.dumps(report)))

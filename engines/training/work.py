@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from mlxkit.engines.core.atomic import atomic_write_json, atomic_write_text
+from mlxkit.engines.core.progress import Reporter
 from mlxkit.engines.errors import InputError
 from mlxkit.engines.training.checkpoint import TrainingState
 from mlxkit.engines.training.distributed import Distributed
@@ -27,16 +28,33 @@ def work_dir_beside(out: Path, kind: str) -> Path:
     return out.parent / f".{out.name}.{kind}-work"
 
 
-def check_run_key(work: Path, key: dict[str, Any], dist: Distributed) -> None:
-    """Refuse to resume a run in `work` that was started with other settings; record the key of a new one."""
+def check_run_key(work: Path, key: dict[str, Any], dist: Distributed, *, overwrite: bool = False,
+                  reporter: Optional[Reporter] = None) -> None:
+    """Refuse to resume a run in `work` that was started with other settings; record the key of a new one.
+
+    With `overwrite` the unfinished run with other settings is discarded instead, and this run starts afresh.
+    """
     key_file = work / RUN_KEY
     key = json.loads(json.dumps(key, default=str))
     if key_file.exists():
-        previous = json.loads(key_file.read_text())
-        changed = sorted(k for k in key if previous.get(k) != key[k])
-        if changed:
+        try:
+            previous = json.loads(key_file.read_text())
+        except ValueError:
+            previous = {}
+        changed = sorted(k for k in key if not isinstance(previous, dict) or previous.get(k) != key[k])
+        if changed and not overwrite:
             raise InputError(f"'{work}' holds an unfinished run with other settings ({', '.join(changed)}); "
-                             "delete it to start over, or rerun with the same settings to resume")
+                             "pass --overwrite to discard it and start over, or rerun with the same settings "
+                             "to resume")
+        if changed:
+            dist.barrier()  # every rank has read the old key before rank 0 removes it
+            if dist.is_main:
+                shutil.rmtree(work)
+                work.mkdir(parents=True)
+                atomic_write_json(key_file, key)
+                if reporter is not None:
+                    reporter.notice(f"--overwrite: discarded the unfinished run in {work} "
+                                    f"(other settings: {', '.join(changed)})")
     elif dist.is_main:
         work.mkdir(parents=True, exist_ok=True)
         atomic_write_json(key_file, key)
