@@ -18,7 +18,8 @@ def eval_command(
     data: DataOpt = None,
     reference: Annotated[Optional[str], typer.Option("--reference", help="Reference model for KL and top-1 agreement.")] = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=2, help="Tokens of the data to evaluate on.")] = 8192,
-    seq_len: Annotated[int, typer.Option("--seq-len", min=2, help="Sequence length of each evaluated window.")] = 512,
+    seq_len: Annotated[Optional[int], typer.Option("--seq-len", min=2, help="Sequence length of each evaluated "
+                                                   "window (default 512, or the model's positions if fewer).")] = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     text_field: TextFieldOpt = "text",

@@ -51,9 +51,15 @@ class Scenario:
         """
         values: dict[str, Any] = dict(defaults)
         saw_weights = saw_kv = False
+        given: dict[str, str] = {}
         for part in filter(None, (p.strip() for p in re.split(r"[,;\s]+", text or ""))):
             key, sep, raw = part.partition("=")
             field_name = cls._KEYS.get(key.strip().lower())
+            if field_name is not None and sep and field_name in given:
+                # Two values for one field (`batch=1,batch=2`, or `dtype=` and `weights=`): no silent last-wins.
+                raise InputError(f"scenario sets {field_name} twice ('{given[field_name]}' and '{part}'); give it once")
+            if field_name is not None:
+                given[field_name] = part
             if not sep or field_name is None:
                 raise InputError(f"bad scenario item '{part}'; expected e.g. batch=256,in=128,out=1024,weights=fp8,kv=fp8")
             raw = raw.strip()

@@ -130,14 +130,17 @@ def library_problem(library: BlockLibrary, costs: LibraryCosts, *, metric: str =
         if layer.blocks:
             options = [Option(name, _metric(block.metrics, metric, f"layer {layer.layer} block '{name}'"),
                               _constrainable(_stats(priced.blocks, name, layer.layer, "block")),
-                              meta={"name": block.original_name or name})
+                              meta={"name": block.original_name or name},
+                              removes=(layer.attention[block.attention].variant.kind == "no_op"
+                                       and layer.ffn[block.ffn].variant.kind == "no_op"))
                        for name, block in layer.blocks.items()]
             groups.append(Group(layer.layer, "block", tuple(options)))
             continue
         for kind in ("attention", "ffn"):
             stats = priced.attention if kind == "attention" else priced.ffn
             options = [Option(name, _metric(entry.metrics, metric, f"layer {layer.layer} {kind} variant '{name}'"),
-                              _constrainable(_stats(stats, name, layer.layer, kind)))
+                              _constrainable(_stats(stats, name, layer.layer, kind)),
+                              removes=entry.variant.kind == "no_op")
                        for name, entry in layer.entries(kind).items()]
             groups.append(Group(layer.layer, kind, tuple(options)))
     return SearchProblem(groups, _constrainable(costs.non_block), bigger, metric, tokens)

@@ -63,6 +63,7 @@ class Option:
     score: float
     costs: Mapping[str, float]
     meta: Mapping[str, Any] | None = field(default=None, compare=False)  # e.g. the library's original name
+    removes: bool = False  # the option computes nothing (a no_op subblock, or a block of two)
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,8 @@ class SearchProblem:
     def __post_init__(self) -> None:
         if not self.groups:
             raise InputError("the search problem has no layers")
+        if all(o.removes for g in self.groups for o in g.options):
+            raise InputError("every option of every layer removes its subblock: no child would compute anything")
         seen = set()
         for g in self.groups:
             if (g.layer, g.kind) in seen:
@@ -203,6 +206,11 @@ class Solver:
             for oi in keep:
                 x[(gi, oi)] = pulp.LpVariable(_variable_name(group, oi, used), cat=pulp.LpBinary)
             model += (pulp.lpSum(x[(gi, oi)] for oi in keep) == 1, f"one_L{group.layer}_{group.kind}")
+        if any(o.removes for g in problem.groups for o in g.options):
+            # A child that computes nothing (every layer removed) is excluded from the space: it is
+            # never an answer, however well its library stats or score fit the caps.
+            model += (pulp.lpSum(var for (gi, oi), var in x.items() if not problem.groups[gi].options[oi].removes)
+                      >= 1, "keep_one_subblock")
         model += pulp.LpAffineExpression([(var, problem.groups[gi].options[oi].score) for (gi, oi), var in x.items()])
         return cls(problem, model, x, time_limit_s, threads, gap)
 
@@ -389,7 +397,8 @@ class Solver:
             elif joint:
                 parts.append(f"{cap_text} (alone reachable: {describe_value(stat, best, self.problem.tokens)})")
         if joint:
-            return "no architecture meets all caps together: " + "; ".join(parts)
+            return ("no architecture meets all caps together (a child keeps at least one attention or FFN "
+                    "subblock): " + "; ".join(parts))
         return "; ".join(parts)
 
 
@@ -467,7 +476,11 @@ def describe_cap(stat: str, bound: float, tokens: int | None = None) -> str:
 
 
 def _undominated(group: Group, bigger_is_better: bool) -> list[int]:
-    """Indices of the options no other option beats on score and on every cost (first of equals kept)."""
+    """Indices of the options no other option beats on score and on every cost (first of equals kept).
+
+    Options that remove their subblock are compared only with each other, so a computing option
+    survives for the row that keeps at least one.
+    """
     stats = sorted({s for o in group.options for s in o.costs})
     sign = -1.0 if bigger_is_better else 1.0
     vectors = [(sign * o.score, *(o.costs.get(s, 0.0) for s in stats)) for o in group.options]
@@ -475,7 +488,7 @@ def _undominated(group: Group, bigger_is_better: bool) -> list[int]:
     for i, vi in enumerate(vectors):
         dominated = False
         for j, vj in enumerate(vectors):
-            if j == i or any(a > b for a, b in zip(vj, vi)):
+            if j == i or any(a > b for a, b in zip(vj, vi)) or group.options[j].removes != group.options[i].removes:
                 continue
             if vj != vi or j < i:  # strictly better somewhere, or an identical option listed earlier
                 dominated = True
