@@ -34,7 +34,10 @@ def test_names_with_separators_or_dots_are_not_package_names(package_with_escape
 
 
 def test_a_recipe_name_cannot_climb_out_of_the_recipes(tmp_path):
-    """`--recipe ../../x` names no packaged recipe even when x.yaml exists up there: one clean error."""
+    """`--recipe ../../x` names no packaged recipe even when x.yaml exists up there: one clean error.
+
+    With a separator it is a path, read as given; only a packaged lookup (name + ".yaml") could reach planted.yaml.
+    """
     from pathlib import Path
 
     import mlxkit.recipes.finetune as finetune_recipes
@@ -46,5 +49,5 @@ def test_a_recipe_name_cannot_climb_out_of_the_recipes(tmp_path):
     result = CliRunner().invoke(app, ["finetune", "--recipe", climb, "--data", str(tmp_path / "planted.yaml"),
                                       "--out", str(tmp_path / "out")])
     assert result.exit_code != 0
-    assert "unknown recipe" in result.output and "Traceback" not in result.output
+    assert "does not exist" in result.output and "Traceback" not in result.output
     assert not (tmp_path / "out").exists()

@@ -102,19 +102,29 @@ def packaged_yaml(package: str, name: str) -> Path | None:
     return candidate
 
 
+def looks_like_file(name_or_path: str | os.PathLike) -> bool:
+    """A `.yaml`/`.yml` name, or one with a directory separator, is a file; a bare word is a packaged name."""
+    text = os.fspath(name_or_path)
+    separators = [os.sep] + ([os.altsep] if os.altsep else []) + ["/"]
+    return Path(text).suffix in (".yaml", ".yml") or any(sep in text for sep in separators)
+
+
 def load_packaged_or_file(model: type[ModelT], name_or_path: str | os.PathLike, package: str, what: str,
                           error: type[InputError] = InputError) -> ModelT:
     """A YAML shipped in `package` by name, or a YAML file by path, validated into `model`.
 
-    `what` names the kind in messages ("recipe", "fine-tuning recipe").
+    `what` names the kind in messages ("recipe", "fine-tuning recipe"). Only what looks like a file
+    (`looks_like_file`) is read as one: a bare word is always a packaged name, so a directory or
+    file of that name in the working directory (an earlier run's `--out gkd`) never hides it.
     """
     path = Path(name_or_path)
-    if path.suffix in (".yaml", ".yml") or path.exists():
+    if looks_like_file(name_or_path):
         if not path.is_file():
             raise error(f"{what} file '{path}' does not exist")
         return load_yaml_model(model, path.read_text(), f"{what} {path}", error)
     resource = packaged_yaml(package, str(name_or_path))
     if resource is None:
+        here = f"; to read the file '{path}', write ./{path}" if path.is_file() else ""
         raise error(f"unknown {what} '{name_or_path}' (available: {', '.join(packaged_names(package))}, "
-                    "or a path to a YAML file)")
+                    f"or a path to a YAML file){here}")
     return load_yaml_model(model, resource.read_text(), f"{what} {name_or_path} (packaged)", error)

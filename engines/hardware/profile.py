@@ -29,7 +29,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from mlxkit.engines.core.yaml_config import load_yaml_model, packaged_yaml
+from mlxkit.engines.core.yaml_config import load_yaml_model, looks_like_file, packaged_yaml
 from mlxkit.engines.errors import InputError
 from mlxkit.engines.hardware.scenario import DTYPE_BYTES, Scenario
 
@@ -160,8 +160,7 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
     """
     text_name = str(name_or_path)
     path = Path(text_name).expanduser()
-    looks_like_path = path.suffix in (".yaml", ".yml") or "/" in text_name or path.exists()
-    if looks_like_path:
+    if looks_like_file(text_name) or text_name.startswith("~"):  # a bare word is a packaged profile
         if not path.is_file():
             raise InputError(f"hardware profile file '{text_name}' does not exist")
         return load_yaml_model(HardwareProfile, path.read_text(), f"hardware profile {path}")

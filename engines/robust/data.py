@@ -42,6 +42,8 @@ def read_npz(path: str | os.PathLike, input_shape: list[int], num_classes: int, 
         raise InputError(f"data '{path}' does not exist" if not path.exists() else f"data '{path}' is not a file")
     if path.suffix != ".npz":
         raise InputError(f"data '{path}' must be an .npz file holding arrays 'x' and 'y'")
+    if not zipfile.is_zipfile(path):  # else np.load tries it as a pickle and says so, which misleads
+        raise InputError(f"data '{path}' is not an .npz file: not a zip archive (an .npz is a zip of .npy arrays)")
     try:
         with np.load(path, allow_pickle=False) as archive:
             missing = [key for key in ("x", "y") if key not in archive.files]
