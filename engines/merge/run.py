@@ -23,6 +23,7 @@ from mlxkit.engines.merge.executor import combine, write_merged
 from mlxkit.engines.merge.methods import registry
 from mlxkit.engines.merge.plan import MergePlan, plan_merge
 from mlxkit.engines.merge.sources import MergeInput, infer_base, resolve_input
+from mlxkit.engines.merge.tokenizers import check_tokenizers, stored_chat_template, tokenizer_facts
 from mlxkit.engines.training.device import resolve_device
 
 # Files copied verbatim from the base (or first) model next to the merged weights.
@@ -45,6 +46,8 @@ def prepare(config: MergeConfig, reporter: Reporter) -> tuple[MergePlan, list[Me
         if base_spec is not None:
             reporter.notice(f"base model inferred from the inputs: {base_spec}")
     base = resolve_input(base_spec, reporter) if base_spec else None
+    facts = [tokenizer_facts(i.spec, Path(i.path)) for i in [*([base] if base else []), *inputs]]
+    check_tokenizers(facts, tokenizer_policy=config.tokenizer_policy(), chat_template=config.chat_template)
     return plan_merge(config, inputs, base), inputs, base
 
 
@@ -171,18 +174,6 @@ def _tokenizer_input(config: MergeConfig, inputs: list[MergeInput], base: Option
     raise InputError(f"tokenizer source '{policy}' is not one of the merged models or the base")
 
 
-def _stored_chat_template(inp: MergeInput) -> Optional[str]:
-    path = Path(inp.path)
-    if (path / "chat_template.jinja").is_file():
-        return (path / "chat_template.jinja").read_text()
-    try:
-        cfg = json.loads((path / "tokenizer_config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    template = cfg.get("chat_template") if isinstance(cfg, dict) else None
-    return template if isinstance(template, str) else None
-
-
 def _chat_template(config: MergeConfig, inputs: list[MergeInput], base: Optional[MergeInput],
                    reporter: Reporter) -> Optional[str]:
     """The template named by `chat_template`: `auto` is the one most of the inputs carry (mergekit's
@@ -194,7 +185,7 @@ def _chat_template(config: MergeConfig, inputs: list[MergeInput], base: Optional
         return None
     if choice != "auto":
         return CHAT_TEMPLATES.get(choice, choice)
-    found = [t for t in (_stored_chat_template(i) for i in inputs) if t]
+    found = [t for t in (stored_chat_template(Path(i.path)) for i in inputs) if t]
     if not found:
         reporter.notice("chat_template: auto found no chat template in the inputs; the output keeps its tokenizer's")
         return None
