@@ -100,7 +100,8 @@ def _vocab_difference(a: TokenizerFacts, b: TokenizerFacts) -> Optional[str]:
         differ = sorted(t for t in set(a.vocab) | set(b.vocab) if a.vocab.get(t) != b.vocab.get(t))
         token = differ[0]
         where = lambda f: f"id {f.vocab[token]}" if token in f.vocab else "missing"  # noqa: E731
-        return (f"vocabularies differ in {len(differ)} token{"s" if len(differ) != 1 else ""} ({len(a.vocab)} in '{a.spec}', {len(b.vocab)} in "
+        plural = "s" if len(differ) != 1 else ""
+        return (f"vocabularies differ in {len(differ)} token{plural} ({len(a.vocab)} in '{a.spec}', {len(b.vocab)} in "
                 f"'{b.spec}'; e.g. {token!r} is {where(a)} in '{a.spec}' and {where(b)} in '{b.spec}')")
     if a.vocab_digest is not None and b.vocab_digest is not None and a.vocab_digest != b.vocab_digest:
         return f"the sentencepiece models of '{a.spec}' and '{b.spec}' differ"
