@@ -1,14 +1,18 @@
-"""Issue #14: curated bad and edge inputs for every verb, run through the CLI.
+"""Curated bad and edge inputs for every verb, run through the CLI.
 
 Each case must end in a non-zero exit code, exactly one `error:` line, no traceback, and no
-output or temporary file left behind. A sample is rerun with `--json` and must print one
-parseable `{"error": {...}}` object on stdout. RELIABILITY.md lists every case and its outcome.
+output or temporary file left behind; the inputs are byte-identical afterwards. A sample is rerun
+with `--json` and must print one parseable `{"error": {...}}` object on stdout. RELIABILITY.md
+lists every case and its outcome.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
+import socket
 import struct
 from pathlib import Path
 
@@ -184,6 +188,31 @@ def _existing_file(ws) -> Path:
     return path
 
 
+def _under_file(ws, name: str) -> str:
+    """An output path whose parent is an ordinary file."""
+    return str(_existing_file(ws) / name)
+
+
+def _jsonl(ws, name: str, value) -> Path:
+    path = ws["case"] / name
+    path.write_text("".join(json.dumps({"text": v}) + "\n" for v in ["a fine line of text", value]))
+    return path
+
+
+def _held_lock(ws, host: str | None = None) -> None:
+    """A lock on the case's output (`{out}`), held by this very process, or by a process on another node."""
+    from mlxkit.engines.core.owner import Owner
+
+    me = Owner.current()
+    owner = me.to_dict() if host is None else {"host": host, "pid": 4242, "started": 1, "boot": "elsewhere"}
+    (ws["case"].parent / ".out.lock").write_text(json.dumps(owner))
+
+
+def _locked(ws, host: str | None = None) -> list[str]:
+    _held_lock(ws, host)
+    return ["export", str(ws["model"]), "--format", "hf", "--out", OUT]
+
+
 def _student_kd(ws, extra):
     return ["--teacher", str(ws["model"]), "--student", str(ws["model"]), "--data", str(ws["text"]),
             "--tokens", "256", *extra]
@@ -354,18 +383,87 @@ CASES = [
     ("finetune-unknown-recipe", lambda w: ["finetune", "--model", str(w["model"]), "--data", str(w["text"]),
                                            "--recipe", "nosuch", "--out", OUT], ["nosuch"], []),
     ("finetune-recipe-climbs-out", lambda w: ["finetune", "--model", str(w["model"]), "--data", str(w["text"]),
-                                              "--recipe", "../puzzle/quick", "--out", OUT], ["unknown recipe"], []),
-
+                                              "--recipe", "../puzzle/quick", "--out", OUT], ["does not exist"], []),
+    # ---- output paths, checked before any work: a parent that is a file (every verb that writes)
+    ("export-gguf-parent-is-file", lambda w: ["export", str(w["model"]), "--format", "gguf",
+                                              "--out", _under_file(w, "x.gguf")], ["taken", "not a directory"], []),
+    ("export-hf-parent-is-file", lambda w: ["export", str(w["model"]), "--format", "hf",
+                                            "--out", _under_file(w, "x")], ["taken", "not a directory"], []),
+    ("merge-parent-is-file", lambda w: ["merge", "--method", "ties", str(w["model"]), str(_copy_model(w, "ft")),
+                                        "--base", str(w["model"]), "-o", _under_file(w, "merged")],
+     ["taken", "not a directory"], []),
+    ("solve-parent-is-file", lambda w: ["solve", str(_npz_grid(w)), "--out", _under_file(w, "x.npz")],
+     ["taken", "not a directory"], []),
+    ("finetune-parent-is-file", lambda w: ["finetune", "--recipe", "lora", "--model", str(w["model"]), "--data",
+                                           str(w["text"]), "--steps", "2", "--out", _under_file(w, "ad")],
+     ["taken", "not a directory"], []),
+    ("kd-parent-is-file", lambda w: ["distill", "--kd", *_student_kd(w, ["--out", _under_file(w, "kd")])],
+     ["taken", "not a directory"], []),
+    ("gkd-parent-is-file", lambda w: ["distill", "--gkd", *_student_kd(w, ["--out", _under_file(w, "gkd")])],
+     ["taken", "not a directory"], []),
+    ("bld-parent-is-file", lambda w: ["distill", "--bld", "--model", str(w["model"]), "--recipe", str(w["recipe"]),
+                                      "--data", str(w["text"]), "--out", _under_file(w, "lib")],
+     ["taken", "not a directory"], []),
+    ("calibrate-parent-is-file", lambda w: ["calibrate", "--model", str(w["model"]), "--out",
+                                            _under_file(w, "p.yaml")], ["taken", "not a directory"], []),
+    ("search-parent-is-file", lambda w: ["search", "--library", str(w["lib"]), "--target", "cpu", "--model",
+                                         str(w["model"]), "--out", _under_file(w, "child")],
+     ["taken", "not a directory"], []),
+    # ---- an output that is an input, or would hold one: refused even with --overwrite
+    ("export-out-is-input", lambda w: ["export", str(_copy_model(w, "m")), "--format", "hf",
+                                       "--out", str(w["case"] / "m"), "--overwrite"], ["is the input"], []),
+    ("export-out-holds-input", lambda w: ["export", str(_copy_model(w, "m")), "--format", "hf",
+                                          "--out", str(w["case"]), "--overwrite"], ["holds the input"], []),
+    ("finetune-full-out-is-model", lambda w: ["finetune", "--recipe", "full", "--model", str(_copy_model(w, "m")),
+                                              "--data", str(w["text"]), "--steps", "1", "--out", str(w["case"] / "m"),
+                                              "--overwrite"], ["is the input"], []),
+    ("solve-out-is-input", lambda w: ["solve", str(_npz_grid(w)), "--out", str(w["case"] / "lap.npz"),
+                                      "--overwrite"], ["is the input"], []),
+    ("finetune-out-file-overwrite", lambda w: ["finetune", "--model", str(w["model"]), "--data", str(w["text"]),
+                                               "--steps", "1", "--out", str(_existing_file(w)), "--overwrite"],
+     ["taken", "not a directory"], []),
+    # ---- an output another run holds
+    ("export-locked-here", lambda w: _locked(w), ["in use", "pid"], []),
+    ("export-locked-elsewhere", lambda w: _locked(w, "node-elsewhere-1"), ["another node", "node-elsewhere-1",
+                                                                           ".out.lock"], []),
+    # ---- answers that were wrong but exited 0 (the demo library prices its all-no_op block at zero)
+    ("nvlabs-all-no-op", lambda w: ["search", "--library", str(_nvlabs(w, "n3", lambda d: None)), "--costs", "library",
+                                    "--throughput", "100x", "--dry-run"], ["at least one"], []),
+    ("eval-jsonl-number", lambda w: ["eval", str(w["model"]), "--data", str(_jsonl(w, "n.jsonl", 123))],
+     ["n.jsonl:2", "int", "not a string"], []),
+    ("eval-jsonl-null", lambda w: ["eval", str(w["model"]), "--data", str(_jsonl(w, "z.jsonl", None))],
+     ["z.jsonl:2", "null"], []),
+    ("finetune-jsonl-null", lambda w: ["finetune", "--model", str(w["model"]), "--data",
+                                       str(_jsonl(w, "z.jsonl", None)), "--out", OUT], ["z.jsonl:2", "null"], []),
+    ("search-export-dtype-alone", lambda w: ["search", "--library", str(w["lib"]), "--target", "cpu",
+                                             "--export-dtype", "f16", "--dry-run"], ["--export"], []),
+    ("search-scenario-twice", lambda w: ["search", "--library", str(w["lib"]), "--target", "cpu",
+                                         "--scenario", "batch=1,batch=2", "--dry-run"], ["batch", "twice"], []),
+    ("finetune-steps-and-set", lambda w: ["finetune", "--model", str(w["model"]), "--data", str(w["text"]),
+                                          "--steps", "2", "--set", "schedule.steps=5", "--out", OUT],
+     ["--steps", "schedule.steps"], []),
+    ("kd-tokens-and-set", lambda w: ["distill", "--kd", *_student_kd(w, ["--set", "schedule.tokens=512",
+                                                                         "--out", OUT])],
+     ["--tokens", "schedule.tokens"], []),
+    ("eval-seq-len-beyond", lambda w: ["eval", str(w["model"]), "--data", str(w["text"]), "--seq-len", "2048"],
+     ["2048", "256"], []),
 ]
 
 # Cases rerun with --json: the error must also be one parseable object on stdout.
 JSON_SAMPLE = {"eval-truncated", "eval-nan-weights", "fetch-truncated", "bld-missing-data", "gkd-out-existing-file",
                "costs-missing-hidden", "library-no-layers", "calibrate-seq-too-long", "merge-density-nan",
-               "solve-text-as-npz", "finetune-lr-nan"}
+               "solve-text-as-npz", "finetune-lr-nan", "export-gguf-parent-is-file", "merge-parent-is-file",
+               "solve-parent-is-file", "finetune-parent-is-file", "kd-parent-is-file", "export-out-is-input",
+               "export-locked-here", "nvlabs-all-no-op", "eval-jsonl-null", "finetune-steps-and-set"}
 
 
 def _temporaries(root: Path) -> list[Path]:
     return [p for p in root.rglob("*") if ".tmp-" in p.name]
+
+
+def _snapshot(root: Path) -> dict[Path, str]:
+    """Every path under `root` with its content's hash (directories as "dir"): inputs must stay byte-identical."""
+    return {p: "dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest() for p in root.rglob("*")}
 
 
 def _run_case(ws, tmp_path, build, extra=()):
@@ -374,7 +472,7 @@ def _run_case(ws, tmp_path, build, extra=()):
     ws = dict(ws, case=case)
     out = tmp_path / "out"
     args = [a.replace(OUT, str(out)) if a.startswith(OUT) else a for a in build(ws)]
-    before = set(case.rglob("*"))
+    before = _snapshot(case)
     result = runner.invoke(app, [*args, *extra])
     return result, out, case, before
 
@@ -395,7 +493,7 @@ def test_bad_input_is_one_error_line(ws, tmp_path, name, build, must, must_not):
     assert ".tmp-" not in message, lines[0]  # never name an internal temporary
     assert not list(tmp_path.glob("out*"))
     assert not _temporaries(tmp_path) and not _temporaries(ws["root"])
-    assert set(case.rglob("*")) == before  # nothing written beside the inputs either
+    assert _snapshot(case) == before  # nothing written beside the inputs, and the inputs unchanged
 
 
 @pytest.mark.parametrize("name,build", [(c[0], c[1]) for c in CASES if c[0] in JSON_SAMPLE],
@@ -415,3 +513,70 @@ def test_bld_missing_data_leaves_no_run_file(ws, tmp_path):
                                  "--data", str(tmp_path / "missing.txt"), "--out", str(out)])
     assert result.exit_code != 0
     assert not (out / ".work" / "run.json").exists() and not out.exists()
+
+
+def test_directories_named_like_packaged_recipes_do_not_hide_them(ws, tmp_path, monkeypatch):
+    """From a folder holding a directory of every packaged recipe and profile name, each name still loads."""
+    from mlxkit.engines.distill.recipe import available_recipes as distill_names, load_distill_recipe
+    from mlxkit.engines.finetune.recipe import available_recipes as finetune_names, load_finetune_recipe
+    from mlxkit.engines.hardware.profile import available_profiles, load_profile
+    from mlxkit.engines.merge.config import read_recipe
+    from mlxkit.engines.puzzle.recipe import available_recipes as puzzle_names, load_recipe
+
+    merge_names = ["iso-cts-example", "ties-example"]
+    loaders = [(distill_names(), load_distill_recipe), (finetune_names(), load_finetune_recipe),
+               (puzzle_names(), load_recipe), (available_profiles(), load_profile), (merge_names, read_recipe)]
+    for names, _ in loaders:
+        for name in names:
+            (tmp_path / name).mkdir(exist_ok=True)
+            (tmp_path / name / "model.safetensors").write_bytes(b"an earlier run's output")
+    monkeypatch.chdir(tmp_path)
+    for names, load in loaders:
+        assert names
+        for name in names:
+            assert load(name)
+    config = _config(dict(ws, case=tmp_path), "cfg")
+    result = runner.invoke(app, ["search", "--costs-only", "--model", str(config), "--target", "cpu",
+                                 "--recipe", "quick", "--json"])
+    assert result.exit_code == 0, result.output
+
+
+def test_a_cache_that_cannot_be_created_names_mlxkit_cache(ws, tmp_path, monkeypatch):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    monkeypatch.delenv("MLXKIT_CACHE")
+    monkeypatch.delenv("HOME", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))
+    result = runner.invoke(app, ["eval", str(ws["model"]), "--max-tokens", "64", "--seq-len", "32"])
+    assert result.exit_code == 2
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "MLXKIT_CACHE" in lines[0], result.output
+
+
+def test_overwrite_discards_a_leftover_run_with_other_settings(ws, tmp_path):
+    out = tmp_path / "ad"
+    work = tmp_path / ".ad.finetune-work"
+    work.mkdir()
+    (work / "run.json").write_text(json.dumps({"steps": 999, "seed": 5}))
+    args = ["finetune", "--recipe", "lora", "--model", str(ws["model"]), "--data", str(ws["text"]), "--steps", "2",
+            "--set", "data.seq_len=32", "--out", str(out), "--quiet"]
+    refused = runner.invoke(app, args)
+    assert refused.exit_code == 2 and "--overwrite" in refused.stderr and not out.exists()
+    done = runner.invoke(app, [*args, "--overwrite"])
+    assert done.exit_code == 0, done.output
+    assert (out / "adapter_model.safetensors").is_file() and not work.exists()
+
+
+@pytest.mark.parametrize("recipe", ["lora", "full"])
+def test_every_saved_file_is_0644_under_a_private_umask(ws, tmp_path, recipe):
+    out = tmp_path / "ft"
+    old = os.umask(0o077)
+    try:
+        result = runner.invoke(app, ["finetune", "--recipe", recipe, "--model", str(ws["model"]), "--data",
+                                     str(ws["text"]), "--steps", "1", "--set", "data.seq_len=32", "--out", str(out),
+                                     "--quiet"])
+    finally:
+        os.umask(old)
+    assert result.exit_code == 0, result.output
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.rglob("*") if p.is_file()}
+    assert modes and set(modes.values()) == {0o644}, modes

@@ -42,7 +42,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from mlxkit.engines.core.sizes import parse_bytes
-from mlxkit.engines.core.yaml_config import packaged_yaml, read_yaml_mapping, validate_model
+from mlxkit.engines.core.yaml_config import looks_like_file, packaged_yaml, read_yaml_mapping, validate_model
 from mlxkit.engines.errors import InputError, RecipeError
 from mlxkit.engines.merge.params import ALPHA, ALPHA_GRID_POINT, ParamDef
 
@@ -631,9 +631,10 @@ def input_key(spec: str) -> str:
 
 
 def read_recipe(path: str | Path) -> dict[str, Any]:
-    """The raw mapping of a YAML recipe: a file, or a bundled name under mlxkit.recipes/merge."""
+    """The raw mapping of a YAML recipe: a file (`.yaml`/`.yml`, or a path with a separator), or a bundled
+    name under mlxkit.recipes/merge (a bare word, even when the working directory holds something of that name)."""
     p = Path(path)
-    if not p.exists():
+    if not looks_like_file(path):
         bundled = packaged_yaml("mlxkit.recipes.merge", str(path))
         if bundled is None:
             raise RecipeError(f"recipe '{path}' is neither a file nor a bundled merge recipe")
