@@ -11,7 +11,7 @@ the RSS after imports and loading the tokenizer, before any text is read. Report
 wall seconds, tokens/s, peak RSS and the growth over the baseline.
 
     python bench/bench_tokenize.py [--tokens 1e8] [--old-tokens 1e7] [--format txt|jsonl]
-                                   [--work DIR] [--time-limit SECONDS] [--tokenizer DIR]
+                                   [--work DIR] [--time-limit SECONDS] [--tokenizer DIR] [--shard-tokens N]
 
 Time box: a streaming build still running after --time-limit seconds is stopped and its progress
 reported; the build resumes from its last finished shard when the same command runs again.
@@ -106,7 +106,8 @@ def _worker(args: argparse.Namespace) -> None:
         before = 0
         for progress in root.glob("*.partial/progress.json"):  # a resumed build
             before = max(before, json.loads(progress.read_text())["total_tokens"])
-        options = {k: v for k, v in (("piece_chars", args.piece_chars), ("batch_chars", args.batch_chars)) if v}
+        options = {k: v for k, v in (("piece_chars", args.piece_chars), ("batch_chars", args.batch_chars),
+                                     ("shard_tokens", args.shard_tokens)) if v}
         shards = build_token_shards(args.corpus, tokenizer, root, max_tokens=args.tokens, **options)
         tokens = len(shards) - before
         extra = {"shards": len(shards.manifest.shards), "resumed_from_tokens": before, "dtype": shards.manifest.dtype,
@@ -149,6 +150,8 @@ def _run(kind: str, corpus: Path, tokens: int, args: argparse.Namespace, root: P
         command += ["--piece-chars", str(args.piece_chars)]
     if args.batch_chars:
         command += ["--batch-chars", str(args.batch_chars)]
+    if args.shard_tokens:
+        command += ["--shard-tokens", str(args.shard_tokens)]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
@@ -172,6 +175,8 @@ def main() -> None:
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the cached SmolLM2-135M)")
     parser.add_argument("--piece-chars", type=int, default=None)
     parser.add_argument("--batch-chars", type=int, default=None)
+    parser.add_argument("--shard-tokens", type=int, default=None,
+                        help="tokens a shard (a stopped build keeps its finished shards)")
     parser.add_argument("--worker", choices=["old", "stream"], help=argparse.SUPPRESS)
     parser.add_argument("--corpus", help=argparse.SUPPRESS)
     parser.add_argument("--root", help=argparse.SUPPRESS)
@@ -182,7 +187,8 @@ def main() -> None:
         return
     args.tokenizer = _tokenizer_dir(args.tokenizer)
     args.work.mkdir(parents=True, exist_ok=True)
-    tag = f"{args.format}-p{args.piece_chars or 'default'}-b{args.batch_chars or 'default'}"
+    settings = (("p", args.piece_chars), ("b", args.batch_chars), ("s", args.shard_tokens))
+    tag = "-".join([args.format] + [f"{name}{value or 'default'}" for name, value in settings])
     results = []
     small = int(args.old_tokens)
     if small:
