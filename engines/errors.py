@@ -58,3 +58,9 @@ class OutputBusyError(MlxkitError):
     """Another run holds the output (its lock file names the host and pid)."""
 
     exit_code = 9
+
+
+class ResourceError(MlxkitError):
+    """A run would need more memory than the machine or the device has (estimated before any work)."""
+
+    exit_code = 7

@@ -213,6 +213,17 @@ def _locked(ws, host: str | None = None) -> list[str]:
     return ["export", str(ws["model"]), "--format", "hf", "--out", OUT]
 
 
+def _crt(ws, hidden: int, data: Path | None = None) -> list[str]:
+    """`finetune --recipe crt` on a 4x4 image classifier with one hidden layer of `hidden` units."""
+    config = _write(ws, "clf.json", json.dumps({"architecture": "mlp", "input_shape": [1, 4, 4], "num_classes": 3,
+                                                 "hidden": [hidden]}))
+    if data is None:
+        data = ws["case"] / "train.npz"
+        np.savez(data, x=np.full((40, 1, 4, 4), 0.5, dtype=np.float32), y=np.arange(40) % 3)
+    return ["finetune", "--recipe", "crt", "--model", str(config), "--data", str(data), "--attacks", "linf",
+            "--out", OUT]
+
+
 def _student_kd(ws, extra):
     return ["--teacher", str(ws["model"]), "--student", str(ws["model"]), "--data", str(ws["text"]),
             "--tokens", "256", *extra]
@@ -445,6 +456,9 @@ CASES = [
     ("kd-tokens-and-set", lambda w: ["distill", "--kd", *_student_kd(w, ["--set", "schedule.tokens=512",
                                                                          "--out", OUT])],
      ["--tokens", "schedule.tokens"], []),
+    ("crt-text-as-npz", lambda w: _crt(w, 16, _text_as(w, "fake.npz")), ["fake.npz", "zip"], ["pickle"]),
+    # ---- resource bounds, before any allocation
+    ("crt-hidden-billion", lambda w: _crt(w, 1_000_000_000), ["parameters", "needs at least", "this machine"], []),
     ("eval-seq-len-beyond", lambda w: ["eval", str(w["model"]), "--data", str(w["text"]), "--seq-len", "2048"],
      ["2048", "256"], []),
 ]
@@ -580,3 +594,14 @@ def test_every_saved_file_is_0644_under_a_private_umask(ws, tmp_path, recipe):
     assert result.exit_code == 0, result.output
     modes = {p.name: p.stat().st_mode & 0o777 for p in out.rglob("*") if p.is_file()}
     assert modes and set(modes.values()) == {0o644}, modes
+
+
+def test_a_batch_far_larger_than_the_data_is_announced(ws, tmp_path):
+    small = tmp_path / "small.txt"
+    small.write_text("a short text, a few sequences at most.\n" * 8)
+    result = runner.invoke(app, ["finetune", "--recipe", "lora", "--model", str(ws["model"]), "--data", str(small),
+                                 "--batch", "512", "--steps", "1", "--set", "data.seq_len=32", "--set",
+                                 "data.held_out_sequences=1", "--out", str(tmp_path / "ad")])
+    assert result.exit_code == 0, result.output
+    assert "--batch 512 is" in result.stderr and "training sequence" in result.stderr, result.stderr
+

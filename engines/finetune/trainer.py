@@ -37,6 +37,7 @@ from mlxkit.engines.finetune.data import (Batch, Examples, LabelledTexts, classi
 from mlxkit.engines.finetune.model import build_model, fo_layer_parameters, save_outputs
 from mlxkit.engines.finetune.recipe import FinetuneRecipe
 from mlxkit.engines.finetune.steps import MixOrderSplit, first_order_step, mix_order_step
+from mlxkit.engines.training.budget import activation_bytes, check_data_vs_batch, check_fits, optimiser_bytes
 from mlxkit.engines.training.checkpoint import TrainingState, load_checkpoint, save_checkpoint
 from mlxkit.engines.training.run import TrainingOptions, TrainingRun
 from mlxkit.engines.training.loop import StepLoop, StepOutcome, median
@@ -112,6 +113,7 @@ class FinetuneRun(TrainingRun):
             if not self.split.zo:
                 raise InputError("htuning leaves no tensor to the zeroth-order estimate (lower htuning.fo_layers)")
         self.train_data, self.val_data = self._examples(raw, eval_raw)
+        self._check_budget(lm)
         self.units_per_sequence = 1 if labels is not None else recipe.data.seq_len - 1
         self.steps = recipe.schedule.steps
         spec = recipe.optim
@@ -124,6 +126,20 @@ class FinetuneRun(TrainingRun):
             self.state = resumed
             self.reporter.notice(f"resuming {recipe.method} at step {resumed.step} of {self.steps} "
                                  f"from {self.work / 'checkpoint'}")
+
+    def _check_budget(self, lm) -> None:
+        """Refuse, before the optimiser allocates, a run the machine or device cannot hold; say when one batch
+        dwarfs the data."""
+        spec = self.recipe.optim
+        weights = sum(p.numel() * p.element_size() for p in lm.parameters())
+        state = weights + optimiser_bytes(sum(p.numel() for p in self.params))
+        if self.sharded:
+            state //= self.dist.world_size
+        micro = min(spec.micro_batch_sequences, spec.batch_sequences)
+        element = torch.finfo(self.placement.dtype).bits // 8
+        need = state + activation_bytes(lm.config, micro, self.recipe.data.seq_len, element)
+        check_fits(need, self.placement.device, f"{self.recipe.method} fine-tuning of '{self.options.model}'")
+        check_data_vs_batch(len(self.train_data), spec.batch_sequences, self.reporter)
 
     def _sharded(self) -> bool:
         """FSDP for plain LoRA and full fine-tuning of a causal LM; the other runs stay replicated, with a notice."""

@@ -56,6 +56,22 @@ class ClassifierConfig(BaseModel):
     def is_image(self) -> bool:
         return len(self.input_shape) == 3
 
+    @property
+    def parameter_count(self) -> int:
+        """Weights and biases the network will have, counted from the config alone (nothing allocated)."""
+        count = 0
+        features = math.prod(self.input_shape)
+        if self.architecture == "cnn":
+            channels, height, width = self.input_shape
+            for width_out in self.channels:
+                count += width_out * (channels * 9 + 1)
+                channels, height, width = width_out, height // 2, width // 2
+            features = channels * height * width
+        for width_out in [*self.hidden, self.num_classes]:
+            count += width_out * (features + 1)
+            features = width_out
+        return count
+
 
 class Classifier(torch.nn.Module):
     """Logits for a batch of inputs shaped [N, *input_shape]."""
@@ -93,7 +109,15 @@ def read_classifier_config(path: str | os.PathLike) -> ClassifierConfig:
 
 
 def build_classifier(config: ClassifierConfig, seed: int) -> Classifier:
-    """A freshly initialised classifier; the seed alone fixes its weights."""
+    """A freshly initialised classifier; the seed alone fixes its weights.
+
+    A network whose float32 weights, gradients and AdamW moments alone exceed the machine's memory
+    is refused before anything is allocated.
+    """
+    from mlxkit.engines.training.budget import check_fits, optimiser_bytes
+
+    check_fits(4 * config.parameter_count + optimiser_bytes(config.parameter_count), torch.device("cpu"),
+               f"a classifier of {config.parameter_count:,} parameters")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return Classifier(config)
