@@ -118,12 +118,14 @@ def tokenize(tokenizer, texts: list[str], max_tokens: int | None = None) -> torc
     for doc_index, text in enumerate(texts):
         if doc_index and separator:
             ids.extend(separator)
-        for start in range(0, len(text), piece_chars):
+        start = 0
+        while start < len(text):
             piece = text[start:start + piece_chars]
             if start + piece_chars < len(text):  # cut at a line end so no word is split
                 cut = piece.rfind("\n")
                 if cut > 0:
                     piece = piece[:cut + 1]
+            start += len(piece)  # the next piece starts where this one was cut: no text is skipped
             ids.extend(tokenizer(piece, add_special_tokens=False)["input_ids"])
             if max_tokens is not None and len(ids) >= max_tokens:
                 return torch.tensor(ids[:max_tokens], dtype=torch.long)

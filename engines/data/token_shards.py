@@ -3,10 +3,8 @@
 `build_token_shards` reads the source in bounded pieces (a file's characters, a .jsonl's lines),
 tokenises them in batches and appends the ids to fixed-size `.bin` shards of uint16 or uint32.
 Its ids are exactly those of `text.tokenize(tokenizer, text.read_texts(path), max_tokens)`:
-documents joined by the EOS token, no BOS, long documents cut into the same pieces. The one
-difference: after a cut, `text.tokenize` drops the characters between the cut and the piece
-end, where this module carries them into the next piece, so a document longer than
-`text.PIECE_CHARS` keeps all its text here.
+documents joined by the EOS token, no BOS, long documents cut into the same pieces (at a line
+end, each piece starting where the last one was cut).
 
 Layout under the caller's root, one entry per (source content, tokenizer) key:
 
