@@ -142,10 +142,10 @@ def test_nuslerp_with_base(flatten, row_wise):
     t = 0.25
     if flatten:
         want = _np_slerp(t, da.ravel(), db.ravel()).reshape(4, 5)
-    elif row_wise:
-        want = np.stack([_np_slerp(t, da[i], db[i]) for i in range(4)])
-    else:
+    elif row_wise:  # mergekit's axes: vectors along the first dimension
         want = np.stack([_np_slerp(t, da[:, j], db[:, j]) for j in range(5)], axis=1)
+    else:
+        want = np.stack([_np_slerp(t, da[i], db[i]) for i in range(4)])
     _close(m.merge([a, b], job), base.numpy() + want)
 
 
@@ -177,7 +177,9 @@ def test_multislerp():
     unit = x / (norms[:, None] + 1e-8)
     mean = (w[:, None] * unit).sum(0)
     mean /= np.linalg.norm(mean)
-    res = _np_exp(mean, (w[:, None] * _np_log(mean, unit)).sum(0)) * (w * norms).sum()
+    tangent = (w[:, None] * (unit - (unit @ mean)[:, None] * mean)).sum(0)  # projections, not log maps
+    length = np.linalg.norm(tangent) + 1e-8
+    res = (mean * np.cos(length) + tangent * np.sin(length) / length) * (w * norms).sum()
     _close(m.merge(xs, job), base.numpy() + res.reshape(4, 4))
 
 

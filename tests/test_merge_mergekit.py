@@ -96,8 +96,8 @@ def test_task_arithmetic_gradient_filter_and_lambda(workdir, monkeypatch, tmp_pa
     merged, base = state(out), state(workdir / "base")
     a, b = state(workdir / "model-a"), state(workdir / "model-b")
     for name in base:
-        # weight [0, 0.5, 1] over 2 layers: 0 at layer 0 and the embeddings, 1 at layer 1 and after it
-        at = 0.0 if ("layers.0." in name or "embed_tokens" in name) else 1.0
+        # weight [0, 0.5, 1] over 2 layers: 1 at layer 1; layer 0 and every tensor outside the layers at 0
+        at = 1.0 if "layers.1." in name else 0.0
         wa = at
         wb = 0.5 if "mlp" in name else 0.2
         expected = base[name] + 0.8 * (wa * (a[name] - base[name]) + wb * (b[name] - base[name]))

@@ -15,12 +15,12 @@ The schema is mergekit's (`mergekit-yaml` configs run unchanged) plus our own ke
 
 * a scalar;
 * a gradient, a list of numbers interpolated linearly over the layers: layer i of N takes the
-  value at position i/(N-1) of the list, tensors before the first layer (embeddings) the first
-  value and tensors after the last (final norm, LM head) the last;
+  value at position i/(N-1) of the list (with slices, N and i count within each slice), and
+  every tensor outside the layers (embeddings, final norm, LM head) the first value, as
+  mergekit 0.1.5 does;
 * a list of `{filter, value}` whose first entry matching the tensor name wins: a filter matches
-  when it is a substring of the name or an fnmatch pattern of it (`*` or no filter matches
-  everything); a filter starting with `re:` is a regular expression searched in the name. A
-  value may itself be a gradient.
+  when it is a substring of the name (`*` or no filter matches everything); a filter starting
+  with `re:` is a regular expression searched in the name. A value may itself be a gradient.
 
 `slices` (mergekit's layer ranges: frankenmerges, depth up-scaling) replace `models`; the base
 model listed among `models` is taken out of the inputs of task-vector methods, as mergekit does.
@@ -32,7 +32,6 @@ range, finiteness) here, and every problem is reported at once with its path
 
 from __future__ import annotations
 
-import fnmatch
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
@@ -109,12 +108,12 @@ ParamValue = Annotated[Any, BeforeValidator(_filtered_values)]
 
 
 def filter_matches(pattern: Optional[str], tensor: str) -> bool:
-    """mergekit's rule (no filter, `*`, a substring or an fnmatch pattern), plus `re:` expressions."""
+    """mergekit's rule (no filter, `*`, or a substring of the name), plus `re:` expressions."""
     if pattern is None or pattern == "*":
         return True
     if pattern.startswith("re:"):
         return re.search(pattern[3:], tensor) is not None
-    return pattern in tensor or fnmatch.fnmatch(tensor, pattern)
+    return pattern in tensor
 
 
 def at_position(setting: Any, t: float) -> Any:

@@ -94,12 +94,13 @@ def layer_count(config: Optional[dict[str, Any]], names: list[str]) -> int:
 
 
 def depth(name: str, num_layers: int) -> float:
-    """Where a tensor sits for gradient parameters: layer i of N at i/(N-1), embeddings at 0,
-    everything after the last layer (final norm, LM head) at 1, as mergekit."""
+    """Where a tensor sits for gradient parameters, as mergekit 0.1 places it: layer i of a block
+    of N layers at i/(N-1) (at 1 when N = 1), and every tensor outside the layers (embeddings,
+    final norm, LM head) at 0."""
     layer = layer_of(name)
     if layer is None:
-        return 0.0 if _PRE.search(name) else 1.0
-    return layer / (num_layers - 1) if num_layers > 1 else 0.0
+        return 0.0
+    return layer / (num_layers - 1) if num_layers > 1 else 1.0
 
 
 def _params_at(method, config: MergeConfig, per_model: list[dict[str, Any]], name: str, t: float
@@ -223,7 +224,7 @@ def _plan_slices(config: MergeConfig, method, inputs: list[MergeInput], base: Op
         ref = inputs[mem[0][0]]
         for name in ref.tensors:
             if layer_of(name) is None and bool(_PRE.search(name)) == pre:
-                add(name, [(i, name, s.parameters) for i, s in mem], name, 0.0 if pre else 1.0)
+                add(name, [(i, name, s.parameters) for i, s in mem], name, 0.0)
 
     outer(slices[0], pre=True)
     out_layer = 0
@@ -237,7 +238,8 @@ def _plan_slices(config: MergeConfig, method, inputs: list[MergeInput], base: Op
             if not layer_names:
                 raise InputError(f"'{ref_input.spec}' has no layer {start + j} (slice layer_range "
                                  f"{list(ref_src.layer_range)})")
-            t = out_layer / (total - 1) if total > 1 else 0.0
+            length = sl.sources[0].length
+            t = j / (length - 1) if length > 1 else 1.0  # mergekit restarts gradients in every slice
             for name in layer_names:
                 sources = [(i, _with_layer(name, s.layer_range[0] + j), s.parameters) for i, s in mem]
                 bsrc = base_source(sl)

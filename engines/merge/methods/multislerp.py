@@ -1,10 +1,12 @@
-"""Multi-SLERP: a weighted spherical mean of several models in one tangent-space step.
+"""Multi-SLERP (mergekit's `multislerp`): barycentric interpolation on the sphere in one step.
 
-Per tensor (flattened, float64): unit vectors x̂_i and norms ‖x_i‖; the weighted chordal mean,
-normalised, is the point m; each x̂_i is mapped to the tangent space at m (log map), the weighted
-tangent vectors are averaged and mapped back (exp map); the result is scaled by the weighted
-mean norm. With a base model this is done on the task vectors and the base added back.
-Weights are divided by their sum when `normalize_weights`.
+Per tensor (flattened, float64): unit vectors x̂_i = x_i / (‖x_i‖ + eps) and norms ‖x_i‖; m is
+the normalised weighted mean of the x̂_i; each x̂_i is projected onto the tangent plane at m
+(x̂_i − ⟨x̂_i, m⟩·m), the weighted projections summed to T, and the result is
+m·cos(‖T‖ + eps) + T·sin(‖T‖ + eps)/(‖T‖ + eps), scaled by the weighted mean norm. With a base
+model this is done on the task vectors and the base added back. Weights are divided by their
+sum when `normalize_weights`. When the weighted mean of two unit vectors vanishes (antipodal),
+the result is their weighted sum, as mergekit does; for more models that is an error.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from mlxkit.engines.merge.methods.base import WEIGHT, MergeMethod, ParamDef, Ten
 
 
 def log_map(m: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """Tangent vector at unit `m` pointing to unit `x` (rows of x), of length the angle between them."""
+    """Riemannian log map at unit `m` of the unit rows of `x`: the tangent vector toward each,
+    of length the angle between them (used by the Karcher mean)."""
     cos = (x @ m).clamp(-1.0, 1.0)
     theta = torch.arccos(cos)
     perp = x - cos[:, None] * m[None, :]
@@ -36,8 +39,8 @@ class MultiSlerp(MergeMethod):
     name = "multislerp"
     uses_deltas = False
     needs_base = False
-    min_models = 2
-    reference = "https://github.com/arcee-ai/mergekit/blob/main/docs/merge_methods.md"
+    min_models = 1
+    reference = "https://goddard.blog/posts/multislerp-wow-what-a-cool-idea"
 
     def parameters(self) -> list[ParamDef]:
         return [ParamDef("normalize_weights", bool, True, "divide the weights by their sum"),
@@ -47,6 +50,8 @@ class MultiSlerp(MergeMethod):
         return [WEIGHT]
 
     def merge(self, tensors: list[torch.Tensor], job: TensorJob) -> torch.Tensor:
+        if len(tensors) == 1:
+            return tensors[0]
         shape = tensors[0].shape
         x = torch.stack([t.double().reshape(-1) for t in tensors])
         if job.base is not None:
@@ -60,10 +65,15 @@ class MultiSlerp(MergeMethod):
         norms = x.norm(dim=1)
         unit = x / (norms[:, None] + eps)
         mean = (w[:, None] * unit).sum(0)
-        if mean.norm() < 1e-12:
-            out = torch.zeros_like(x[0])
+        if mean.norm() < eps:
+            if len(tensors) != 2:
+                raise InputError(f"multislerp of '{job.name}': the weighted mean direction is zero "
+                                 "(antipodal inputs whose weights cancel); change the weights")
+            out = (w[:, None] * x).sum(0)
         else:
             m = mean / mean.norm()
-            out = exp_map(m, (w[:, None] * log_map(m, unit)).sum(0)) * (w * norms).sum()
+            tangent = (w[:, None] * (unit - (unit @ m)[:, None] * m[None, :])).sum(0)
+            length = tangent.norm() + eps
+            out = (m * torch.cos(length) + tangent * (torch.sin(length) / length)) * (w * norms).sum()
         out = out.reshape(shape)
         return (out + job.base.double() if job.base is not None else out).float()
