@@ -202,3 +202,35 @@ def test_cli_gkd_end_to_end_and_clean_errors(pair, text_file, tmp_path):
     bad = runner.invoke(app, args[:-len(TINY)] + ["--set", "optim.nope=1"])
     assert bad.exit_code != 0 and "optim.nope" in bad.output
     assert not work_dir_for(tmp_path / "cli-out").exists()
+
+
+def test_data_is_read_from_token_shards_and_a_repeat_is_announced(pair, text_file, tmp_path):
+    from mlxkit.engines.core.progress import Reporter
+    from mlxkit.engines.data.text import pack, read_texts, split, tokenize
+    from mlxkit.engines.distill.trainer import DistillationRun
+
+    class Notes(Reporter):
+        def __init__(self):
+            super().__init__()
+            self.lines: list[str] = []
+
+        def notice(self, message: str) -> None:
+            self.lines.append(message)
+
+    notes = Notes()
+    from dataclasses import replace
+
+    run = DistillationRun(replace(_options(pair, text_file, tmp_path / "out"), tokens=400 * 4 * 32), notes)
+    try:
+        run.setup()
+        # The blocks equal the in-memory tokeniser's, split the same way.
+        ids = tokenize(run.tokenizer, read_texts(text_file), (run.steps * 4 + 2) * 32)
+        train, val = split(pack(ids, 32), 2 / pack(ids, 32).shape[0], 0)
+        assert torch.equal(run.val_ids, val)
+        assert torch.equal(run.train_ids[list(range(train.shape[0]))], train)
+        assert (work_dir_for(tmp_path / "out") / "tokens.json").exists()
+        # 400 steps of 4 sequences need 1,600 of the corpus's few hundred sequences: the repeat is said once.
+        repeats = [line for line in notes.lines if "repeat" in line]
+        assert len(repeats) == 1 and f"{train.shape[0] * 32:,} training tokens repeat" in repeats[0]
+    finally:
+        run.cleanup()

@@ -633,3 +633,32 @@ def _file_sha256(file: Path) -> str:
         while block := handle.read(1 << 22):
             digest.update(block)
     return f"sha256:{digest.hexdigest()}"
+
+
+class BlockView:
+    """Chosen blocks of `TokenShards`, indexed like a `[n, seq_len]` tensor but read from the shards on demand."""
+
+    def __init__(self, shards: TokenShards, seq_len: int, indices: torch.Tensor):
+        self.shards, self.seq_len, self.indices = shards, seq_len, indices
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (int(self.indices.numel()), self.seq_len)
+
+    def __len__(self) -> int:
+        return int(self.indices.numel())
+
+    def __getitem__(self, positions: Iterable[int] | torch.Tensor) -> torch.Tensor:
+        return self.shards.blocks(self.indices[torch.as_tensor(positions, dtype=torch.long)], self.seq_len)
+
+
+def split_blocks(shards: TokenShards, seq_len: int, held_out: int, seed: int) -> tuple[BlockView, torch.Tensor]:
+    """(training blocks, held-out blocks): the seeded permutation of `text.split` over block indices.
+
+    The held-out blocks are few and read at once; the training blocks stay in the shards.
+    """
+    from mlxkit.engines.data.text import split
+
+    n = shards.num_blocks(seq_len)
+    train, val = split(torch.arange(n).unsqueeze(1), held_out / n, seed) if n else (torch.zeros(0, 1),) * 2
+    return BlockView(shards, seq_len, train.reshape(-1)), shards.blocks(val.reshape(-1), seq_len)

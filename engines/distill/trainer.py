@@ -23,6 +23,7 @@ manifest, and the work directory is removed.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import shutil
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from typing import Any, Literal
 
 import torch
 
-from mlxkit.engines.core.atomic import atomic_file
+from mlxkit.engines.core.atomic import atomic_file, atomic_write_json
 from mlxkit.engines.core.manifest import Manifest, content_hash
 from mlxkit.engines.core.progress import Reporter
 from mlxkit.engines.distill.losses import cosine_distance_sum, logit_term_sums
@@ -169,38 +170,59 @@ class DistillationRun(TrainingRun):
         check_run_key(self.work, self._run_key(), self.dist, overwrite=self.options.overwrite,
                       reporter=self.reporter)
 
-    def _token_blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _token_blocks(self) -> tuple[Any, torch.Tensor]:
+        """(training blocks, held-out blocks). Text from --data is tokenised once into memory-mapped shards (see
+        `engines/data/token_shards.py`), from which every rank reads only the blocks of its share of each step;
+        text sampled from the teacher is small and kept whole in the work directory."""
+        held_out = self.recipe.data.held_out_sequences
+        needed = self.steps * self.recipe.optim.batch_sequences
+        if self.options.data is not None:
+            return self._data_blocks(held_out, needed)
         path = self.work / "tokens.pt"
         if self.dist.is_main and not path.exists():
-            held_out = self.recipe.data.held_out_sequences
-            needed = self.steps * self.recipe.optim.batch_sequences
-            if self.options.data is not None:
-                from mlxkit.engines.data.text import pack, read_texts, split, tokenize
+            from mlxkit.engines.data.sampled import sample_tokens
 
-                ids = tokenize(self.tokenizer, read_texts(self.options.data, self.options.text_field),
-                               (needed + held_out) * self.seq_len)
-                blocks = pack(ids, self.seq_len)
-                if blocks.shape[0] <= held_out:
-                    raise InputError(f"--data gives {blocks.shape[0]} sequence(s) of {self.seq_len} tokens; need more "
-                                     f"than the {held_out} held out for evaluation")
-                train, val = split(blocks, held_out / blocks.shape[0], self.options.seed)
-                origin = str(self.options.data)
-            else:
-                from mlxkit.engines.data.sampled import sample_tokens
-
-                n_train = min(needed, MAX_SAMPLED_SEQUENCES)
-                blocks = sample_tokens(self.teacher, self.tokenizer, n_sequences=n_train + held_out,
-                                       seq_len=self.seq_len, seed=self.options.seed, reporter=self.reporter)
-                train, val = blocks[held_out:], blocks[:held_out]
-                origin = "text sampled from the teacher"
-            self.reporter.notice(f"{self.options.mode.upper()} data: {origin} ({train.shape[0]} training and "
-                                 f"{val.shape[0]} held-out sequences of {self.seq_len} tokens; {self.steps} steps of "
-                                 f"{self.recipe.optim.batch_sequences} sequences)")
+            n_train = min(needed, MAX_SAMPLED_SEQUENCES)
+            blocks = sample_tokens(self.teacher, self.tokenizer, n_sequences=n_train + held_out,
+                                   seq_len=self.seq_len, seed=self.options.seed, reporter=self.reporter)
+            train, val = blocks[held_out:], blocks[:held_out]
+            self._announce_data("text sampled from the teacher", train.shape[0], val.shape[0])
             with atomic_file(path) as tmp:
                 torch.save({"train": train, "val": val}, tmp)
         self.dist.barrier()
         tokens = torch.load(path, weights_only=True)
         return tokens["train"], tokens["val"]
+
+    def _data_blocks(self, held_out: int, needed: int) -> tuple[Any, torch.Tensor]:
+        from mlxkit.engines.data.token_shards import (TokenShards, build_token_shards, default_shard_root,
+                                                      split_blocks)
+
+        limit = (needed + held_out) * self.seq_len
+        reference = self.work / "tokens.json"
+        if self.dist.is_main and not reference.exists():
+            shards = build_token_shards(self.options.data, self.tokenizer, default_shard_root(),
+                                        text_field=self.options.text_field, max_tokens=limit)
+            atomic_write_json(reference, {"shards": str(shards.path), "limit": limit})
+        self.dist.barrier()
+        recorded = json.loads(reference.read_text())
+        shards = TokenShards(recorded["shards"], limit=recorded["limit"])
+        n = shards.num_blocks(self.seq_len)
+        if n <= held_out:
+            raise InputError(f"--data gives {n} sequence(s) of {self.seq_len} tokens; need more than the "
+                             f"{held_out} held out for evaluation")
+        train, val = split_blocks(shards, self.seq_len, held_out, self.options.seed)
+        if self.dist.is_main:
+            self._announce_data(str(self.options.data), train.shape[0], val.shape[0])
+        return train, val
+
+    def _announce_data(self, origin: str, n_train: int, n_val: int) -> None:
+        from mlxkit.engines.data.token_shards import repeat_message
+
+        batch = self.recipe.optim.batch_sequences
+        self.reporter.notice(f"{self.options.mode.upper()} data: {origin} ({n_train} training and {n_val} held-out "
+                             f"sequences of {self.seq_len} tokens; {self.steps} steps of {batch} sequences)")
+        if self.steps * batch > n_train:
+            self.reporter.notice(repeat_message(n_train * self.seq_len, self.steps * batch * self.seq_len))
 
     # ------------------------------------------------------------------ train
     def train_step(self, step: int) -> StepOutcome:
