@@ -9,6 +9,13 @@ them, `--synthetic N` writes N perturbed copies of the base (Gaussian deltas, st
   python bench/mergekit_compare.py --synthetic 4 --work runs/mergekit_compare
   python bench/mergekit_compare.py --models runs/merge_quality/ft-* --work runs/mergekit_compare
 
+  python bench/mergekit_compare.py --fixtures --work runs/mergekit_fixtures
+
+`--fixtures` runs every mergekit config under tests/fixtures/mergekit/ (dtype set to float32, so
+neither tool rounds) through both tools on tiny random Llamas, and reports the largest relative
+difference per tensor (max |ours − mergekit| / max |mergekit|). Randomized methods (DARE, DELLA)
+draw different masks in each tool, so their difference is reported but says nothing.
+
 mergekit must live in its own venv (default /work/main/.venv-mergekit), never in mlxkit's.
 """
 
@@ -89,6 +96,69 @@ def max_abs_diff(a: Path, b: Path) -> float:
     return worst
 
 
+FIXTURES = ROOT / "tests" / "fixtures" / "mergekit"
+RANDOMIZED = ("dare", "della")
+
+
+def max_rel_diff(ours: Path, theirs: Path) -> tuple[float, str]:
+    """Largest per-tensor max |a − b| / max |b|, and the tensor where it occurs."""
+    worst, where = 0.0, ""
+    with LazyTensorLoader.from_path(ours) as la, LazyTensorLoader.from_path(theirs) as lb:
+        if set(la.keys()) != set(lb.keys()):
+            raise SystemExit(f"tensor names differ: {sorted(set(la.keys()) ^ set(lb.keys()))[:5]}")
+        for name in la.keys():
+            a, b = la.get_tensor(name).double(), lb.get_tensor(name).double()
+            rel = float((a - b).abs().max()) / max(float(b.abs().max()), 1e-30)
+            if rel > worst:
+                worst, where = rel, name
+    return worst, where
+
+
+def run_fixtures(work: Path, mergekit: str, mlx: str, env: dict) -> dict:
+    import re
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_merge_common import make_base, make_finetune
+
+    models = work / "models"
+    if not (models / "model-c").exists():
+        base = make_base(models / "base")
+        for i, name in enumerate(["model-a", "model-b", "model-c"]):
+            make_finetune(base, models / name, seed=70 + i)
+    results = {}
+    for fixture in sorted(FIXTURES.glob("*.yml")):
+        name = fixture.stem
+        cfg = work / f"{name}.yml"
+        cfg.write_text(re.sub(r"^dtype: .*$", "dtype: float32", fixture.read_text(), flags=re.M))
+        theirs, ours = work / f"mergekit-{name}", work / f"mlx-{name}"
+        for d in (theirs, ours):
+            shutil.rmtree(d, ignore_errors=True)
+        try:
+            mk = measure_in(models, [mergekit, str(cfg), str(theirs), "--copy-tokenizer"], env)
+        except SystemExit as exc:
+            results[name] = {"skipped": f"mergekit failed: {str(exc).splitlines()[-1][:200]}"}
+            print(f"{name:18s} skipped ({results[name]['skipped']})", flush=True)
+            continue
+        us = measure_in(models, [mlx, "merge", "--config", str(cfg), "-o", str(ours), "--device", "cpu", "-q"], env)
+        diff, where = max_rel_diff(ours, theirs)
+        results[name] = {"max_rel_diff": diff, "at": where, "randomized": name.startswith(RANDOMIZED),
+                         "mergekit_wall_s": mk["wall_s"], "ours_wall_s": us["wall_s"]}
+        note = "  (randomized: different masks, not comparable)" if results[name]["randomized"] else ""
+        print(f"{name:18s} max rel diff {diff:.2e} at {where}  wall mergekit {mk['wall_s']:.1f} s "
+              f"ours {us['wall_s']:.1f} s{note}", flush=True)
+    return results
+
+
+def measure_in(cwd: Path, cmd: list[str], env: dict) -> dict:
+    """`measure` with the fixtures' relative model paths resolved from `cwd`."""
+    here = os.getcwd()
+    os.chdir(cwd)
+    try:
+        return measure(cmd, env)
+    finally:
+        os.chdir(here)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", default="smollm2-135m")
@@ -99,9 +169,17 @@ def main() -> None:
     ap.add_argument("--mergekit-venv", default=str(ROOT / ".venv-mergekit"))
     ap.add_argument("--methods", default="task_arithmetic,ties")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--fixtures", action="store_true", help="compare on the mergekit fixtures, tiny random models")
     args = ap.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
+    if args.fixtures:
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        results = run_fixtures(work, str(Path(args.mergekit_venv) / "bin" / "mergekit-yaml"),
+                               str(Path(sys.executable).parent / "mlx"), env)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=2))
+        return
     base = resolve_spec(args.base).path
     models = [Path(m) for m in args.models] if args.models else synthetic_finetunes(base, work, args.synthetic)
     mlx = str(Path(sys.executable).parent / "mlx")
