@@ -4,5 +4,7 @@ Layout (mergekit's plan/executor split): `config.py` validates the recipe, `sour
 inputs (checkpoints, hub ids, LoRA adapters), `plan.py` lists one task per tensor from headers
 only, `executor.py` streams the tensors through a method from `methods/registry.py`, and
 `run.py` writes the result atomically. `params.py` types each method parameter (checked with the
-config, before any tensor is read) and `linalg.py` holds the spectral kernels.
+config, before any tensor is read), `tokenizers.py` compares the inputs' tokenizers before any
+tensor is read, and `linalg.py` holds the spectral kernels. The config schema is mergekit's, so
+`mergekit-yaml` configs run unchanged.
 """
