@@ -33,14 +33,16 @@ KILLS_PER_VERB = 5
 MODES = ("before", "torn", "after")
 
 
-def _env() -> dict[str, str]:
+def _env(place: Path) -> dict[str, str]:
     # One intra-op thread: the same floating-point order in every run, and two runs fit the two cores.
-    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    # Each place has its own cache (token shards, sampled text), so every killed run makes the writes the
+    # reference run counted, and its rerun finds what it left there.
+    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MLXKIT_CACHE": str(place / "cache")}
 
 
 def _run(args: list[str], cwd: Path, kill_at: int = 0, mode: str = "before") -> subprocess.CompletedProcess:
     command = [sys.executable, str(DRIVER), str(cwd / "events.txt"), str(kill_at), mode, "--", *args, "--quiet"]
-    return subprocess.run(command, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=600)
+    return subprocess.run(command, cwd=cwd, env=_env(cwd), capture_output=True, text=True, timeout=600)
 
 
 def _saved(model, path: Path) -> Path:
@@ -209,7 +211,7 @@ def test_killed_at_random_writes_then_rerun_equals_an_uninterrupted_run(verb, tm
         verb.check_killed(out, reference)
 
         rerun = subprocess.run([sys.executable, "-m", "mlxkit", *verb.args(inputs, out), "--quiet"], cwd=place,
-                               env=_env(), capture_output=True, text=True, timeout=600)
+                               env=_env(place), capture_output=True, text=True, timeout=600)
         if rerun.returncode != 0:
             # Only a run killed after its output was in place may find it there; that output is the result.
             assert "already exists" in rerun.stderr, (kill_at, mode, rerun.stderr[-2000:])

@@ -205,3 +205,20 @@ def test_checkpoints_come_by_step_count_and_by_wall_time(tmp_path):
     assert taken == [3, 5, 10]
     records = loop.records()
     assert [r["step"] for r in records] == list(range(13)) and records[-1]["tokens"] == 120
+
+
+def test_a_log_torn_below_its_checkpoint_is_restored_from_the_copy_taken_with_it(tmp_path):
+    from mlxkit.engines.training.work import back_up_log, truncate_log
+
+    log = tmp_path / "log.jsonl"
+    records = [json.dumps({"step": i}) for i in range(6)]
+    log.write_text("".join(line + "\n" for line in records[:4]))
+    back_up_log(log)  # the checkpoint that follows counts 4 records
+    log.write_text("".join(line + "\n" for line in records))
+    log.write_bytes(log.read_bytes()[:20])  # a kill tore the file to its first record and a half
+    truncate_log(log, 4)
+    assert log.read_text().splitlines() == records[:4]
+    log.write_text(records[0] + "\n")
+    (tmp_path / "log.jsonl.at-checkpoint").write_text(records[0] + "\n")
+    with pytest.raises(InputError, match="lost records"):
+        truncate_log(log, 4)

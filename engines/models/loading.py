@@ -13,7 +13,7 @@ import pickle
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from mlxkit import register_auto_classes
 from mlxkit.engines.core.progress import Reporter
@@ -21,6 +21,9 @@ from mlxkit.engines.errors import InputError, ModelLoadError, NonFiniteError, Of
 from mlxkit.engines.io.safetensors_header import validate_safetensors_dir
 from mlxkit.engines.models import default_model
 from mlxkit.engines.models.hub import hub_offline_by_env, hub_reachable
+
+if TYPE_CHECKING:
+    import torch
 
 SpecKind = Literal["directory", "gguf", "hub", "alias"]
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -220,6 +223,23 @@ def check_finite_weights(model, spec: str) -> None:
     for name, tensor in model.state_dict().items():
         if tensor.is_floating_point() and not torch.isfinite(tensor).all():
             raise NonFiniteError(f"model '{spec}' has NaN or infinite values in '{name}'")
+
+
+def check_finite_files(directory: Path, spec: str) -> None:
+    """`check_finite_weights` for a checkpoint on disk, reading one tensor at a time (nothing is kept).
+
+    For a parent that is streamed layer by layer: a NaN found only when its layer is reached would
+    fail a run after it had started writing.
+    """
+    import torch
+    from safetensors import safe_open
+
+    for file in sorted(Path(directory).glob("*.safetensors")):
+        with safe_open(str(file), "pt") as handle:
+            for name in handle.keys():
+                tensor = handle.get_tensor(name)
+                if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+                    raise NonFiniteError(f"model '{spec}' has NaN or infinite values in '{name}'")
 
 
 def forget_gguf_quantization(model) -> None:

@@ -59,8 +59,8 @@ from mlxkit.engines.data.text import check_data_path
 from mlxkit.engines.errors import InputError
 from mlxkit.engines.models.decilm.blocks import AttentionVariant, FFNVariant, ParentShape, parent_attention, parent_ffn
 from mlxkit.engines.models.decilm.convert import ResidentParent, StreamedParent, from_parent
-from mlxkit.engines.models.loading import (check_finite_weights, check_local_weights, load_config, load_model,
-                                           load_tokenizer, resolve_spec, source_dtype)
+from mlxkit.engines.models.loading import (check_finite_files, check_finite_weights, check_local_weights, load_config,
+                                           load_model, load_tokenizer, resolve_spec, source_dtype)
 from mlxkit.engines.puzzle import activations
 from mlxkit.engines.puzzle.block_init import initialise
 from mlxkit.engines.puzzle.bld import train_subblock
@@ -164,6 +164,7 @@ def _open_parent(options: DistillOptions, placement: Placement, reporter: Report
         source = resolve_spec(options.model, reporter)
         if source.kind in ("directory", "alias") and source.path is not None and any(source.path.glob("*.safetensors")):
             check_local_weights(source, options.allow_pickle)
+            check_finite_files(source.path, options.model)  # before anything is written
             config = load_config(str(source.path))
             config._attn_implementation = "sdpa"
             streamed = StreamedParent.open(source.path, config, dtype=placement.dtype, device=placement.device,

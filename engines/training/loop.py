@@ -29,7 +29,7 @@ import torch
 from mlxkit.engines.core.progress import Reporter
 from mlxkit.engines.training.checkpoint import TrainingState
 from mlxkit.engines.training.distributed import Distributed
-from mlxkit.engines.training.work import append_log, truncate_log
+from mlxkit.engines.training.work import append_log, back_up_log, truncate_log
 
 
 @dataclass
@@ -100,6 +100,8 @@ class StepLoop:
                 due = (index + 1) % self.checkpoint_every == 0 or index + 1 == self.stop or self._time_is_up(
                     last_checkpoint)
                 if due and not last:
+                    if self.dist.is_main:
+                        back_up_log(self.log)
                     checkpoint()  # every rank: rank 0 alone writes a replicated model, each rank its shards
                     self.dist.barrier()
                     last_checkpoint = self.clock()

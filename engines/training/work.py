@@ -83,12 +83,43 @@ def refuse_existing_output(out: Path, work: Path, dist: Distributed) -> None:
     raise InputError(f"output '{out}' already exists{finished} (pass --overwrite to replace it)")
 
 
+def log_backup(log: Path) -> Path:
+    """The copy of the log taken with each checkpoint: an append can be torn by a kill, a whole-file copy cannot."""
+    return log.with_name(log.name + ".at-checkpoint")
+
+
+def back_up_log(log: Path) -> None:
+    """Keep a whole copy of the log as it stands, before the checkpoint that will count its lines."""
+    if log.exists():
+        atomic_write_text(log_backup(log), log.read_text())
+
+
 def truncate_log(log: Path, lines: int) -> None:
-    """Drop log records written after the checkpoint we resume from, so a resumed log equals an uninterrupted one."""
-    if not log.exists():
+    """Cut the log back to the `lines` records the checkpoint we resume from counted, so a resumed log equals an
+    uninterrupted one. A log damaged below that (a kill that tore an append) is restored from its copy."""
+    if not log.exists() and lines == 0:
         return
-    kept = log.read_text().splitlines()[:lines]
-    atomic_write_text(log, "".join(line + "\n" for line in kept))
+    kept = _whole_records(log)
+    if len(kept) < lines:
+        kept = _whole_records(log_backup(log))
+        if len(kept) < lines:
+            raise InputError(f"the training log '{log}' lost records its checkpoint counted ({len(kept)} of {lines}); "
+                             "delete the work directory to start over")
+    atomic_write_text(log, "".join(line + "\n" for line in kept[:lines]))
+
+
+def _whole_records(log: Path) -> list[str]:
+    """The log's lines up to the first that is not a whole JSON record."""
+    if not log.exists():
+        return []
+    records = []
+    for line in log.read_text(errors="replace").splitlines():
+        try:
+            json.loads(line)
+        except ValueError:
+            break
+        records.append(line)
+    return records
 
 
 def append_log(log: Path, record: dict[str, Any], state: TrainingState) -> None:
