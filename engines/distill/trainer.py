@@ -23,6 +23,7 @@ manifest, and the work directory is removed.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import math
 import shutil
@@ -82,30 +83,30 @@ class DistillationRun(TrainingRun):
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
-        from mlxkit.engines.models.loading import load_model, source_dtype
+        from mlxkit.engines.models.loading import (check_local_weights, load_config, load_model, load_tokenizer,
+                                                   resolve_spec, source_dtype)
 
         if not self.options.overwrite:
             refuse_existing_output(self.out, self.work, self.dist)
         spec = self.recipe.optim
         check_global_batch(spec.batch_sequences, self.dist.world_size, "optim.batch_sequences")
         # The teacher only runs forwards: it is read straight into the compute dtype. The student's
-        # float32 copy is its master weights.
+        # float32 copy is its master weights. Under sharding each model is sharded before the next one is
+        # read, so no rank ever holds both whole.
         teacher = load_model(self.options.teacher, dtype=self.placement.dtype, allow_pickle=self.options.allow_pickle,
                              reporter=self.reporter)
-        student = load_model(self.options.student, allow_pickle=self.options.allow_pickle, reporter=self.reporter)
-        self._check_pair(teacher, student)
-        self.teacher, self.student, self.tokenizer = teacher.model, student.model, student.tokenizer
-        self.teacher_source, self.student_source = teacher.source, student.source
-        self.save_dtype = self.placement.save_dtype(source_dtype(student.source), self.options.save_dtype)
-        self.generation_config = student.model.generation_config
-        for model in (self.teacher, self.student):
-            model.config._attn_implementation = "sdpa"
+        self.student_source = resolve_spec(self.options.student, self.reporter)
+        check_local_weights(self.student_source, self.options.allow_pickle)
+        student_config = load_config(self.options.student, reporter=self.reporter)
+        self.tokenizer = load_tokenizer(self.student_source)
+        self._check_pair(teacher.model.config, teacher.tokenizer, student_config, self.tokenizer)
+        self.teacher, self.teacher_source = teacher.model, teacher.source
+        del teacher
+        self.save_dtype = self.placement.save_dtype(source_dtype(self.student_source), self.options.save_dtype)
+        self.teacher.config._attn_implementation = "sdpa"
         place_frozen(self.teacher, self.placement)
-        place_trainable(self.student, self.placement)
-        if gradient_checkpointing_on(self.recipe.gradient_checkpointing, self.placement.device):
-            enable_gradient_checkpointing(self.student)
         self.seq_len = self.recipe.data.seq_len
-        positions = getattr(self.student.config, "max_position_embeddings", None)
+        positions = getattr(student_config, "max_position_embeddings", None)
         if positions and self.seq_len > positions:
             raise InputError(f"data.seq_len {self.seq_len} exceeds the student's {positions} positions")
         tokens = self.options.tokens or self.recipe.schedule.tokens
@@ -115,7 +116,17 @@ class DistillationRun(TrainingRun):
         self.sharded = sharding_on(self.options.sharding, self.dist)
         if self.sharded:
             shard_model(self.teacher, self.placement, trainable=False)
+            gc.collect()
+        self.student = load_model(self.student_source, with_tokenizer=False, allow_pickle=self.options.allow_pickle,
+                                  reporter=self.reporter).model
+        self.generation_config = self.student.generation_config
+        self.student.config._attn_implementation = "sdpa"
+        place_trainable(self.student, self.placement)
+        if gradient_checkpointing_on(self.recipe.gradient_checkpointing, self.placement.device):
+            enable_gradient_checkpointing(self.student)
+        if self.sharded:
             shard_model(self.student, self.placement, trainable=True)
+            gc.collect()
         self.params = [p for p in self.student.parameters() if p.requires_grad]
         self.optimizer = build_adamw(self.params, spec)
         self.state = TrainingState(0, 0, 0, {"train_seconds": 0.0})
@@ -141,10 +152,10 @@ class DistillationRun(TrainingRun):
         elif self.dist.is_main:
             save_checkpoint(self.work / "checkpoint", self.student, self.optimizer, self.state)
 
-    def _check_pair(self, teacher, student) -> None:
-        t, s = teacher.model.config, student.model.config
-        if t.vocab_size != s.vocab_size or (teacher.tokenizer is not None and student.tokenizer is not None
-                                            and teacher.tokenizer.get_vocab() != student.tokenizer.get_vocab()):
+    def _check_pair(self, t, teacher_tokenizer, s, student_tokenizer) -> None:
+        """Teacher config `t` and student config `s` must share a vocabulary (and, for GKD, widths and depth)."""
+        if t.vocab_size != s.vocab_size or (teacher_tokenizer is not None and student_tokenizer is not None
+                                            and teacher_tokenizer.get_vocab() != student_tokenizer.get_vocab()):
             raise InputError(f"teacher '{self.options.teacher}' and student '{self.options.student}' have different "
                              f"vocabularies ({t.vocab_size} vs {s.vocab_size} tokens, or different token ids); "
                              "distillation needs a shared tokenizer")
