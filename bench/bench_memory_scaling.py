@@ -10,9 +10,12 @@ runs only it, so for `torchrun` it is the largest rank's peak (the launcher agen
 
 Commands:
   bld   `mlx distill --bld` with a small recipe (one FFN variant per layer, few tokens)
+  bldr  the same library built with the whole parent resident (`DistillOptions(stream=False)`, the old path)
   kd1   `mlx distill --kd`, teacher and student of the same config, 1 process
   kd2   the same under `torchrun --nproc_per_node 2` (FSDP2 sharding, the default with 2 processes)
   kd2r  the same with `--sharding none` (every rank a full replica: the old behaviour)
+  kd1m, kd2m  kd1 and kd2 with glibc's mmap threshold fixed at 128 KiB (MALLOC_MMAP_THRESHOLD_=131072):
+        large freed buffers go back to the system at once instead of fragmenting the heap
   eval  `mlx eval` on 2,048 tokens
   merge `mlx merge --method linear` of three models
 
@@ -117,15 +120,24 @@ def command_for(name: str, size: str, work: Path) -> list[str]:
         recipe.write_text(BLD_RECIPE)
         return [*mlx, "distill", "--bld", "--model", str(teacher), "--recipe", str(recipe), "--data", str(CORPUS),
                 "--out", str(out), "--device", "cpu", "--quiet"]
+    if name == "bldr":
+        recipe = work / "bld-recipe.yaml"
+        recipe.write_text(BLD_RECIPE)
+        code = ("import sys; from pathlib import Path; from mlxkit.engines.puzzle.distill import DistillOptions, "
+                "run_distill; from mlxkit.engines.puzzle.recipe import load_recipe; "
+                "run_distill(DistillOptions(model=sys.argv[1], out=Path(sys.argv[2]), recipe=load_recipe(sys.argv[3]), "
+                "data=Path(sys.argv[4]), device='cpu', stream=False))")
+        return [sys.executable, "-c", code, str(teacher), str(out), str(recipe), str(CORPUS)]
     if name.startswith("kd"):
+        fixed_threshold = ["env", "MALLOC_MMAP_THRESHOLD_=131072"] if name.endswith("m") else []
         kd = ["distill", "--kd", "--teacher", str(teacher), "--student", str(student), "--data", str(CORPUS),
               "--tokens", str(2 * 2 * 64), "--out", str(out), "--device", "cpu", "--quiet",
               *[f"--set={k}={v}" for k, v in KD_SETTINGS.items()]]
-        if name == "kd1":
-            return [*mlx, *kd]
+        if name in ("kd1", "kd1m"):
+            return [*fixed_threshold, *mlx, *kd]
         launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29591",
                   "-m", "mlxkit"]
-        return [*launch, *kd, *(["--sharding", "none"] if name == "kd2r" else [])]
+        return [*fixed_threshold, *launch, *kd, *(["--sharding", "none"] if name == "kd2r" else [])]
     if name == "eval":
         return [*mlx, "eval", str(teacher), "--data", str(CORPUS), "--max-tokens", "2048", "--seq-len", "512",
                 "--device", "cpu", "--json"]
@@ -152,7 +164,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, default=REPO / "runs" / "bench_memory")
     parser.add_argument("--sizes", default="135m,400m,1b")
-    parser.add_argument("--commands", default="bld,kd1,kd2,kd2r,eval,merge")
+    parser.add_argument("--commands", default="bld,bldr,kd1,kd2,kd2r,eval,merge")
     args = parser.parse_args()
     work = args.work.resolve()
     (work / "outputs").mkdir(parents=True, exist_ok=True)
@@ -205,7 +217,7 @@ def report(results_file: Path) -> None:
         a1, b1 = fits["kd1"]
         a2, b2 = fits["kd2"]
         d = 2 * (a1 - a2)  # per-rank bytes/param = c + d/W
-        c = a1 - d
+        c = max(0.0, a1 - d)  # a negative replicated part is noise of a two-point fit
         print("\nKD per rank on 8 ranks (c + d/W from the 1- and 2-process fits): " + ", ".join(
             f"{k} {((c + d / 8) * n + b2) / 1024:.0f} GiB" for k, n in BIG.items()))
     for r in rows:

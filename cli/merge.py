@@ -60,7 +60,7 @@ def merge_command(
                                  alpha=alpha, eval_data=eval_data or [], common_frac=common_frac, params=params,
                                  average_embeddings=average_embeddings, dtype=out_dtype,
                                  max_shard_size=max_shard_size, seed=seed)
-    sources = [entry.model for entry in config.models] + [config.base_model, *config.eval_data]
+    sources = [entry.model for entry in config.input_entries()] + [config.base_model, *config.eval_data]
     with claimed_output(out, kind="dir", inputs=sources, lock=not dry_run):
         result = run_merge(config, out, overwrite=overwrite, dry_run=dry_run, device=device, reporter=output.reporter)
     output.emit(result, _render_plan if dry_run else (None if quiet else _render))
