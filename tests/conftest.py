@@ -124,6 +124,27 @@ def pair(tmp_path) -> tuple[Path, Path]:
 
 
 @pytest.fixture
+def two_models(tmp_path) -> list[Path]:
+    """Two tiny random Llamas (seeds 0 and 1) with the byte-level tokenizer."""
+    return [save_with_tokenizer(make_tiny_llama(seed=seed), tmp_path / f"model{seed}") for seed in (0, 1)]
+
+
+def recording_reporter():
+    """A silent reporter that keeps every notice, for tests that check what a run said."""
+    from mlxkit.engines.core.progress import Reporter
+
+    class RecordingReporter(Reporter):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lines: list[str] = []
+
+        def notice(self, message: str) -> None:
+            self.lines.append(message)
+
+    return RecordingReporter()
+
+
+@pytest.fixture
 def text_file(tmp_path) -> Path:
     """A tiny generated ASCII corpus (400 lines, about 22,000 characters), the same on every machine."""
     path = tmp_path / "text.txt"

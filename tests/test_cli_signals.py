@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, make_char_tokenizer, make_tiny_llama
+from conftest import REPO
 
 # Runs the real `mlx merge`, stalled right after it wrote the manifest into its temporary output
 # directory (so the weights are there too), until the test sends the signal.
@@ -35,17 +35,6 @@ from mlxkit.cli.main import main
 sys.argv = ["mlx", *sys.argv[2:]]
 main()
 """
-
-
-@pytest.fixture
-def two_models(tmp_path) -> list[Path]:
-    paths = []
-    for seed in (0, 1):
-        path = tmp_path / f"model{seed}"
-        make_tiny_llama(seed=seed).save_pretrained(path)
-        make_char_tokenizer().save_pretrained(path)
-        paths.append(path)
-    return paths
 
 
 @pytest.mark.parametrize("signum,exit_code,words", [(signal.SIGTERM, 143, "terminated"),

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import make_char_tokenizer, make_tiny_llama
 from mlxkit.engines.core.atomic import atomic_file, atomic_output_dir, user_path
 from mlxkit.engines.core.outputs import check_output, lock_path, output_lock
 from mlxkit.engines.core.owner import Owner, host_tag
@@ -152,17 +150,6 @@ def test_error_messages_name_the_users_path_not_the_temporary():
     assert user_path("/w/.x.gguf.tmp-15059.ab12cd34-k2j3.gguf") == "/w/x.gguf"
     assert user_path("/w/.child.tmp-1.ab12cd34-q9/model.safetensors") == "/w/child/model.safetensors"
     assert user_path("/w/plain/file") == "/w/plain/file"
-
-
-@pytest.fixture
-def two_models(tmp_path) -> list[Path]:
-    paths = []
-    for seed in (0, 1):
-        path = tmp_path / f"model{seed}"
-        make_tiny_llama(seed=seed).save_pretrained(path)
-        make_char_tokenizer().save_pretrained(path)
-        paths.append(path)
-    return paths
 
 
 def test_two_exports_started_together_on_one_output_one_wins_whole(two_models, tmp_path):

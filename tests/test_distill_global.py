@@ -205,19 +205,11 @@ def test_cli_gkd_end_to_end_and_clean_errors(pair, text_file, tmp_path):
 
 
 def test_data_is_read_from_token_shards_and_a_repeat_is_announced(pair, text_file, tmp_path):
-    from mlxkit.engines.core.progress import Reporter
+    from conftest import recording_reporter
     from mlxkit.engines.data.text import pack, read_texts, split, tokenize
     from mlxkit.engines.distill.trainer import DistillationRun
 
-    class Notes(Reporter):
-        def __init__(self):
-            super().__init__()
-            self.lines: list[str] = []
-
-        def notice(self, message: str) -> None:
-            self.lines.append(message)
-
-    notes = Notes()
+    notes = recording_reporter()
     from dataclasses import replace
 
     run = DistillationRun(replace(_options(pair, text_file, tmp_path / "out"), tokens=400 * 4 * 32), notes)

@@ -5,19 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import TINY_PUZZLE_RECIPE, make_tiny_llama, save_with_tokenizer
-from mlxkit.engines.core.progress import Reporter
+from conftest import TINY_PUZZLE_RECIPE, make_tiny_llama, recording_reporter, save_with_tokenizer
 from mlxkit.engines.puzzle import distill
 from mlxkit.engines.puzzle.distill import default_library_dir, ensure_library
 
 
-class _Notices(Reporter):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: list[str] = []
-
-    def notice(self, message: str) -> None:
-        self.lines.append(message)
 
 
 def _dir(model, recipe, **kwargs):
@@ -49,7 +41,7 @@ def test_a_recipe_file_edited_in_place_is_another_library(tiny_llama_dir, tiny_r
 
 
 def test_the_same_inputs_reuse_the_built_library(tiny_llama_dir, tiny_recipe_file, text_file, monkeypatch):
-    first = _Notices()
+    first = recording_reporter()
     path = ensure_library(str(tiny_llama_dir), str(tiny_recipe_file), data=text_file, seed=0, device="cpu",
                           reporter=first)
     assert (path / "library.json").exists()
@@ -60,7 +52,7 @@ def test_the_same_inputs_reuse_the_built_library(tiny_llama_dir, tiny_recipe_fil
         raise AssertionError("the library was rebuilt")
 
     monkeypatch.setattr(distill, "run_distill", refuse)
-    again = _Notices()
+    again = recording_reporter()
     assert ensure_library(str(tiny_llama_dir), str(tiny_recipe_file), data=text_file, seed=0, device="cpu",
                           reporter=again) == path
     assert (path / "library.json").stat().st_mtime_ns == stamp

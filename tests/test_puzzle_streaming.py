@@ -11,8 +11,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from conftest import make_char_tokenizer, make_tiny_llama, save_with_tokenizer
-from mlxkit.engines.core.progress import Reporter
+from conftest import make_char_tokenizer, make_tiny_llama, recording_reporter, save_with_tokenizer
 from mlxkit.engines.data.sampled import model_fingerprint
 from mlxkit.engines.models.decilm.convert import ResidentParent, StreamedParent, from_parent
 from mlxkit.engines.models.loading import load_config, load_model
@@ -180,13 +179,6 @@ def test_sampling_loads_the_whole_parent_once_then_streams(deep_parent, tiny_rec
     assert watch.whole_loads == 1
 
 
-class _Notices(Reporter):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: list[str] = []
-
-    def notice(self, message: str) -> None:
-        self.lines.append(message)
 
 
 def test_a_parent_without_safetensors_is_held_whole(tmp_path):
@@ -195,7 +187,7 @@ def test_a_parent_without_safetensors_is_held_whole(tmp_path):
     model.config.save_pretrained(path)
     torch.save(model.state_dict(), path / "pytorch_model.bin")
     make_char_tokenizer().save_pretrained(path)
-    notices = _Notices()
+    notices = recording_reporter()
     options = DistillOptions(model=str(path), out=tmp_path / "lib", recipe=load_recipe("quick"), allow_pickle=True,
                              device="cpu")
     parent, layers, _, _ = distill._open_parent(options, Placement.cpu(), notices)
