@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Iterator, TypeVar
+from typing import Callable, ContextManager, TypeVar
 
 import torch
 
@@ -127,9 +127,6 @@ class Placement:
             return self.dtype
         return parent_dtype if parent_dtype.is_floating_point else torch.float32
 
-    def describe(self) -> str:
-        return f"{self.device} {dtype_name(self.dtype)}"
-
 
 def module_device(module: torch.nn.Module) -> torch.device:
     """The device of a module's first parameter or buffer (CPU for a module that holds none)."""
@@ -159,10 +156,3 @@ def build_on(device: torch.device | str, build: Callable[[], M]) -> M:
     with torch.device("meta"):
         module = build()
     return module.to_empty(device=device)
-
-
-@contextlib.contextmanager
-def default_device(device: torch.device) -> Iterator[None]:
-    """Tensors created without a device inside the block land on `device`."""
-    with torch.device(device):
-        yield

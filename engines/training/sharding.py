@@ -27,7 +27,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any
 
 import torch
 
@@ -35,8 +35,6 @@ from mlxkit.engines.errors import InputError
 from mlxkit.engines.training.checkpoint import STATE, TrainingState, rng_state, set_rng_state
 from mlxkit.engines.training.device import Placement
 from mlxkit.engines.training.distributed import Distributed
-
-Sharding = Union[Literal["auto", "fsdp", "none"]]
 
 
 def sharding_on(setting: str, dist: Distributed) -> bool:
