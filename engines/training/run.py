@@ -8,6 +8,7 @@ work in progress in `.<out>.<work_kind>-work/` beside the output.
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,7 @@ class TrainingOptions:
             raise InputError(f"--sharding must be auto, fsdp or none (got '{self.sharding}')")
 
 
-class TrainingRun:
+class TrainingRun(ABC):
     """Setup, train, save: one readable recipe over the shared building blocks."""
 
     work_kind = "train"
@@ -58,15 +59,17 @@ class TrainingRun:
     def join_processes(self) -> Distributed:
         return Distributed.from_env(self.placement.device)
 
+    @abstractmethod
     def setup(self) -> None:
-        raise NotImplementedError
+        """Check the inputs, load and place the models, resume from a checkpoint if there is one."""
 
+    @abstractmethod
     def train(self) -> dict[str, Any] | None:
         """The summary once every step ran; None when stopped early or on a rank other than 0."""
-        raise NotImplementedError
 
+    @abstractmethod
     def save(self, summary: dict[str, Any]) -> Path:
-        raise NotImplementedError
+        """Write the output (rank 0) and return where it is."""
 
     def execute(self) -> dict[str, Any]:
         """Train (or resume) and save; the summary, or {} on other ranks or when stopped early."""
