@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from mlxkit.engines.merge.methods.base import (WEIGHT, MergeMethod, ParamDef, TensorJob, weights_of)
-from mlxkit.engines.merge.methods.ties import sign_consensus_mean
+from mlxkit.engines.merge.methods.base import WEIGHT, MergeMethod, ParamDef, TensorJob
+from mlxkit.engines.merge.methods.ties import combine_sparse
 from mlxkit.engines.merge.params import INT8_MASK, LAMBDA
 
 
@@ -64,12 +64,4 @@ class Breadcrumbs(MergeMethod):
     def merge(self, tensors: list[torch.Tensor], job: TensorJob) -> torch.Tensor:
         sparse = torch.stack([magnitude_band(d, p["density"], p["gamma"], job.params["rescale"])
                               for d, p in zip(tensors, job.model_params)])
-        w = weights_of(job, tensors[0])
-        normalize = job.params["normalize"]
-        if self.consensus:
-            return sign_consensus_mean(sparse * w, w.expand_as(sparse), normalize)
-        out = (sparse * w).sum(0)
-        if normalize:
-            total = float(w.sum())
-            out = out / (total if abs(total) > 1e-8 else 1.0)
-        return out
+        return combine_sparse(sparse, job, self.consensus)

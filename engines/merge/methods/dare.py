@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from mlxkit.engines.merge.methods.base import (WEIGHT, MergeMethod, ParamDef, TensorJob, tensor_generator,
-                                              weights_of)
-from mlxkit.engines.merge.methods.ties import sign_consensus_mean
+from mlxkit.engines.merge.methods.base import WEIGHT, MergeMethod, ParamDef, TensorJob, tensor_generator
+from mlxkit.engines.merge.methods.ties import combine_sparse
 from mlxkit.engines.merge.params import INT8_MASK, LAMBDA
 
 
@@ -47,12 +46,4 @@ class Dare(MergeMethod):
         dropped = torch.stack([
             drop_and_rescale(d, p["drop_rate"], rescale, tensor_generator(job, i, d.device))
             for i, (d, p) in enumerate(zip(tensors, job.model_params))])
-        w = weights_of(job, tensors[0])
-        normalize = job.params["normalize"]
-        if self.consensus:
-            return sign_consensus_mean(dropped * w, w.expand_as(dropped), normalize)
-        out = (dropped * w).sum(0)
-        if normalize:
-            total = float(w.sum())
-            out = out / (total if abs(total) > 1e-8 else 1.0)
-        return out
+        return combine_sparse(dropped, job, self.consensus)

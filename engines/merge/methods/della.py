@@ -12,9 +12,8 @@ from __future__ import annotations
 import torch
 
 from mlxkit.engines.errors import InputError
-from mlxkit.engines.merge.methods.base import (WEIGHT, MergeMethod, ParamDef, TensorJob, tensor_generator,
-                                              weights_of)
-from mlxkit.engines.merge.methods.ties import sign_consensus_mean
+from mlxkit.engines.merge.methods.base import WEIGHT, MergeMethod, ParamDef, TensorJob, tensor_generator
+from mlxkit.engines.merge.methods.ties import combine_sparse
 from mlxkit.engines.merge.params import INT8_MASK, LAMBDA
 
 
@@ -68,12 +67,4 @@ class Della(MergeMethod):
                                  f"(model {i}: density {density:g}, epsilon {eps:g})")
             pruned.append(magprune(d, density, eps, rescale, tensor_generator(job, i, d.device)))
         stacked = torch.stack(pruned)
-        w = weights_of(job, tensors[0])
-        normalize = job.params["normalize"]
-        if self.consensus:
-            return sign_consensus_mean(stacked * w, w.expand_as(stacked), normalize)
-        out = (stacked * w).sum(0)
-        if normalize:
-            total = float(w.sum())
-            out = out / (total if abs(total) > 1e-8 else 1.0)
-        return out
+        return combine_sparse(stacked, job, self.consensus)

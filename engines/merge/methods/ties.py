@@ -39,6 +39,20 @@ def sign_consensus_mean(weighted: torch.Tensor, w: torch.Tensor, normalize: bool
     return out
 
 
+def combine_sparse(stacked: torch.Tensor, job: TensorJob, consensus: bool) -> torch.Tensor:
+    """Merge the sparsified task vectors `stacked` [T, ...] with their weights: TIES' sign-consensus
+    mean when `consensus`, else the weighted sum; `normalize` divides by the (agreeing) weights."""
+    w = weights_of(job, stacked[0])
+    normalize = job.params["normalize"]
+    if consensus:
+        return sign_consensus_mean(stacked * w, w.expand_as(stacked), normalize)
+    out = (stacked * w).sum(0)
+    if normalize:
+        total = float(w.sum())
+        out = out / (total if abs(total) > 1e-8 else 1.0)
+    return out
+
+
 class Ties(MergeMethod):
     name = "ties"
     reference = "https://arxiv.org/abs/2306.01708"
