@@ -226,3 +226,38 @@ def test_data_is_read_from_token_shards_and_a_repeat_is_announced(pair, text_fil
         assert len(repeats) == 1 and f"{train.shape[0] * 32:,} training tokens repeat" in repeats[0]
     finally:
         run.cleanup()
+
+
+# ----------------------------------------------------------------------------- training only the replaced blocks
+
+def _child_with_layer_two_replaced(tmp_path) -> tuple[Path, Path]:
+    """A 4-layer tiny teacher, and a child of it whose layer 2 alone has another attention (1 KV head)."""
+    from mlxkit.engines.models.decilm.blocks import AttentionVariant, BlockChoice, FFNVariant
+    from mlxkit.engines.models.decilm.convert import child_config, from_parent
+    from mlxkit.engines.models.decilm.modeling_mlx_decilm import MlxDeciLMForCausalLM
+
+    teacher = make_tiny_llama(seed=0, num_hidden_layers=4)
+    kept = BlockChoice(AttentionVariant("gqa", 2), FFNVariant("mlp", 64))
+    choices = [kept, kept, BlockChoice(AttentionVariant("gqa", 1), FFNVariant("mlp", 64)), kept]
+    torch.manual_seed(1)
+    child = MlxDeciLMForCausalLM(child_config(from_parent(teacher).config, choices))
+    return (save_with_tokenizer(teacher, tmp_path / "teacher"), save_with_tokenizer(child, tmp_path / "child"))
+
+
+@pytest.mark.parametrize("neighbours, trained", [(0, {2}), (1, {1, 2, 3})])
+def test_replaced_blocks_and_their_neighbours_train_and_nothing_else_moves(text_file, tmp_path, neighbours, trained):
+    pair = _child_with_layer_two_replaced(tmp_path)
+    out = tmp_path / "out"
+    run_distillation(_options(pair, text_file, out, recipe={"trainable": "replaced_blocks",
+                                                            "neighbours": neighbours}))
+    before, after = _weights(pair[1]), _weights(out)
+    assert before.keys() == after.keys()
+    moved = {name for name in before if not torch.equal(before[name], after[name])}
+    layers_moved = {int(name.split(".")[2]) for name in moved if name.startswith("model.layers.")}
+    assert layers_moved == trained
+    assert all(name.startswith("model.layers.") for name in moved)  # embeddings, final norm, head frozen
+
+
+def test_replaced_blocks_needs_a_puzzle_child(pair, text_file, tmp_path):
+    with pytest.raises(InputError, match="needs a Puzzle child"):
+        run_distillation(_options(pair, text_file, tmp_path / "out", recipe={"trainable": "replaced_blocks"}))

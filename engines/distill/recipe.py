@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -43,6 +43,12 @@ class ScheduleSpec(_Strict):
     checkpoint_minutes: float = Field(10.0, ge=0, allow_inf_nan=False)  # also after this much wall time; 0: off
 
 
+# Which of the student's weights train. `replaced_blocks`: the decoder layers of a Puzzle child whose
+# attention or FFN differs from the parent's, and `neighbours` layers either side of each; every other
+# layer, the embeddings, the final norm and the head stay as the parent left them.
+Trainable = Literal["all", "replaced_blocks"]
+
+
 class DistillRecipe(_Strict):
     name: str = "custom"
     description: str = ""
@@ -51,6 +57,8 @@ class DistillRecipe(_Strict):
     optim: OptimSpec = OptimSpec()
     schedule: ScheduleSpec = ScheduleSpec()
     gradient_checkpointing: GradientCheckpointing = "auto"  # of the student's decoder layers
+    trainable: Trainable = "all"
+    neighbours: int = Field(1, ge=0)
 
     def with_overrides(self, overrides: dict[str, Any]) -> "DistillRecipe":
         """A copy with dotted keys replaced (`optim.lr=3e-4`), validated again."""

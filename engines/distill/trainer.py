@@ -100,6 +100,7 @@ class DistillationRun(TrainingRun):
         student_config = load_config(self.options.student, reporter=self.reporter)
         self.tokenizer = load_tokenizer(self.student_source)
         self._check_pair(teacher.model.config, teacher.tokenizer, student_config, self.tokenizer)
+        self.trained_layers = self._trained_layers(student_config)
         self.teacher, self.teacher_source = teacher.model, teacher.source
         del teacher
         self.save_dtype = self.placement.save_dtype(source_dtype(self.student_source), self.options.save_dtype)
@@ -122,6 +123,10 @@ class DistillationRun(TrainingRun):
         self.generation_config = self.student.generation_config
         self.student.config._attn_implementation = "sdpa"
         place_trainable(self.student, self.placement)
+        if self.trained_layers is not None:
+            self.student.requires_grad_(False)
+            for index in self.trained_layers:
+                self.student.model.layers[index].requires_grad_(True)
         if gradient_checkpointing_on(self.recipe.gradient_checkpointing, self.placement.device):
             enable_gradient_checkpointing(self.student)
         if self.sharded:
@@ -166,6 +171,25 @@ class DistillationRun(TrainingRun):
             if t.num_hidden_layers != s.num_hidden_layers:
                 raise InputError(f"the cosine hidden-state loss pairs layers: teacher has {t.num_hidden_layers}, "
                                  f"student {s.num_hidden_layers} (use --kd, or set loss.cosine_weight=0)")
+
+    def _trained_layers(self, student_config) -> list[int] | None:
+        """The decoder layers that train under `trainable: replaced_blocks` (None: every weight trains)."""
+        from mlxkit.engines.models.decilm.blocks import replaced_layers
+
+        if self.recipe.trainable == "all":
+            return None
+        replaced = replaced_layers(student_config)
+        if replaced is None:
+            raise InputError(f"trainable=replaced_blocks needs a Puzzle child (a config with block_configs); "
+                             f"'{self.options.student}' has none (use trainable=all)")
+        if not replaced:
+            raise InputError(f"'{self.options.student}' keeps every parent block, so trainable=replaced_blocks "
+                             "leaves nothing to train (use trainable=all)")
+        n, reach = student_config.num_hidden_layers, self.recipe.neighbours
+        layers = sorted({j for i in replaced for j in range(max(0, i - reach), min(n, i + reach + 1))})
+        self.reporter.notice(f"training {len(layers)} of {n} decoder layers ({len(replaced)} with replaced blocks, "
+                             f"{reach} neighbour(s) either side); the rest of the student stays frozen")
+        return layers
 
     def _run_key(self) -> dict[str, Any]:
         data: Any = "sampled from the teacher"

@@ -208,3 +208,16 @@ class BlockChoice:
 
     def to_block_config(self, parent: ParentShape) -> dict[str, Any]:
         return {"attention": self.attention.to_block_config(parent), "ffn": self.ffn.to_block_config(parent)}
+
+
+def replaced_layers(child_config: Any) -> list[int] | None:
+    """Indices of the layers whose attention or FFN differs from the parent's; None for a config without
+    `block_configs` (a plain Llama, which replaces nothing)."""
+    block_configs = getattr(child_config, "block_configs", None)
+    if not block_configs:
+        return None
+    shape = ParentShape.from_config(child_config)
+    return [index for index, block in enumerate(block_configs)
+            if AttentionVariant.from_block_config(block["attention"], shape.num_attention_heads)
+            != parent_attention(shape)
+            or FFNVariant.from_block_config(block["ffn"], shape.hidden_size) != parent_ffn(shape)]
