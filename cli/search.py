@@ -37,6 +37,7 @@ def search_command(
     costs_only: Annotated[bool, typer.Option("--costs-only", help="Price the search space from the config alone (no weights).")] = False,
     write_costs: Annotated[Optional[Path], typer.Option("--write-costs", help="Write the priced variants of every layer (JSON).")] = None,
     write_lp: Annotated[Optional[Path], typer.Option("--write-lp", help="Write the MIP, caps included, in the LP file format.")] = None,
+    refine: Annotated[Optional[int], typer.Option("--refine", min=0, help="Rounds of in-context refinement: measure the chosen child, correct the scores with what each replaced block costs in it, solve again (default 3 when a child is saved, 0 with --dry-run; corrections are kept beside the library and used by later solves on it).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Solve and report, but write no checkpoint (--write-costs and --write-lp still write their files).")] = False,
     gkd_tokens: Annotated[Optional[int], typer.Option("--gkd-tokens", min=1, help="Then distil the child against the parent (GKD) on this many tokens of --data (default: text sampled from the parent); resumable.")] = None,
     gkd_recipe: Annotated[str, typer.Option("--gkd-recipe", help="Distillation recipe for --gkd-tokens (name or YAML path).")] = "gkd",
@@ -87,7 +88,7 @@ def search_command(
                             write_costs=write_costs, write_lp=write_lp, seed=seed, overwrite=overwrite,
                             allow_pickle=allow_pickle, gkd_tokens=gkd_tokens, gkd_recipe=gkd_recipe,
                             gkd_overrides=flags_and_overrides({}, gkd_set), export=export, export_dtype=export_dtype or "f32",
-                            device=device, dtype=dtype, save_dtype=save_dtype, sharding=sharding)
+                            device=device, dtype=dtype, save_dtype=save_dtype, sharding=sharding, refine=refine)
     if throughput is not None and "," in throughput:
         if not dry_run:
             raise fail("several --throughput targets draw the frontier: add --dry-run (one checkpoint per run)")

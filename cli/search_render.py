@@ -25,8 +25,16 @@ def render_search(result: dict, console: Console, quiet: bool = False) -> None:
             table.add_row(str(row["layer"]), row["attention"], row["ffn"])
         console.print(table)
         summary = Table(show_header=False, title="prediction and held-out evaluation")
-        summary.add_row("summed score", f"{result['metric']} {_num(result['objective'])} ({result['status']}, "
-                                        f"solved in {result['solve_time_s']} s)")
+        label = "predicted score (corrected in context)" if result.get("corrected") else "summed score"
+        summary.add_row(label, f"{result['metric']} {_num(result['objective'])} ({result['status']}, "
+                               f"solved in {result['solve_time_s']} s)")
+        refinement = result.get("refinement")
+        if refinement:
+            for index, entry in enumerate(refinement["rounds"]):
+                kept = " (kept)" if index == refinement["best_round"] else ""
+                summary.add_row(f"refinement round {index + 1}{kept}",
+                                f"predicted {_num(entry['predicted_isolated'])} isolated, "
+                                f"{_num(entry['predicted_corrected'])} corrected; measured {_num(entry['measured'])}")
         if predicted.get("speedup"):
             summary.add_row("predicted speed-up", f"{predicted['speedup']:.2f}x  ({_num(predicted['tokens_per_s'])} vs "
                                                   f"{_num(predicted['parent_tokens_per_s'])} tok/s)")
@@ -66,7 +74,9 @@ def render_search(result: dict, console: Console, quiet: bool = False) -> None:
 def render_frontier(result: dict, console: Console) -> None:
     from collections import Counter
 
-    table = Table(title=f"Puzzle frontier on {result['target']} (predicted; summed replace-1-block score)")
+    corrected = any(row.get("corrected") for row in result["frontier"])
+    estimate = "in-context corrected score" if corrected else "summed replace-1-block score"
+    table = Table(title=f"Puzzle frontier on {result['target']} (predicted; {estimate})")
     for column in ("target", "speedup", "memory MiB", "params (M)", "Σ score", "attention", "ffn"):
         table.add_column(column)
     for row in result["frontier"]:

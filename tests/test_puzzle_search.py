@@ -32,7 +32,8 @@ def _search(*args: str) -> dict:
 
 def test_search_saves_a_child_that_loads_and_evaluates_as_reported(built_library, tiny_llama_dir, tmp_path):
     out = tmp_path / "child"
-    payload = _search("--target", "h100", "--library", str(built_library), "--throughput", "1.3x", "--out", str(out))
+    payload = _search("--target", "h100", "--library", str(built_library), "--throughput", "1.3x", "--out", str(out),
+                      "--refine", "0")
     assert payload["predicted"]["speedup"] >= 1.3 - 1e-6
     assert len(payload["choices"]) == 2 and payload["objective"] > 0
     library = read_library(built_library)

@@ -34,14 +34,16 @@ from mlxkit.engines.errors import InputError
 from mlxkit.engines.hardware.costs import price_variants
 from mlxkit.engines.hardware.profile import HardwareProfile, load_profile
 from mlxkit.engines.hardware.scenario import Scenario
-from mlxkit.engines.models.decilm.blocks import BlockChoice, ParentShape
+from mlxkit.engines.models.decilm.blocks import BlockChoice, ParentShape, parent_attention, parent_ffn
 from mlxkit.engines.puzzle.budgets import Budgets
 from mlxkit.engines.puzzle.distill import ensure_library
 from mlxkit.engines.puzzle.library import LibraryDir, read_library
-from mlxkit.engines.puzzle.library_pricing import (LibraryCosts, library_problem, parent_totals, price_library,
-                                                   solution_block_choices, stored_costs)
+from mlxkit.engines.puzzle.library_pricing import (LibraryCosts, library_problem, parent_choice_names, parent_totals,
+                                                   price_library, solution_block_choices, stored_costs)
 from mlxkit.engines.puzzle.library_schema import BlockLibrary
 from mlxkit.engines.puzzle.mip import SearchProblem, Solution, Solver, sweep_batch_sizes
+from mlxkit.engines.puzzle.refine import (ChildMeasurement, Corrections, RefinementResult, isolated_sum as _isolated_sum,
+                                          measure_child, refine, tokens_hash)
 from mlxkit.engines.training.device import Placement
 from mlxkit.engines.training.distributed import Distributed
 
@@ -82,6 +84,8 @@ class SearchOptions:
     dtype: str = "auto"
     save_dtype: str | None = None
     sharding: str = "auto"  # of GKD's models (engines/training/sharding.py)
+    # Rounds of in-context refinement (engines/puzzle/refine.py); None: 3 when a child is built, else 0.
+    refine: int | None = None
 
     def __post_init__(self) -> None:
         if self.export is not None:
@@ -189,7 +193,8 @@ def _search(options: SearchOptions, reporter: Reporter, dist: Distributed, place
         library = _exportable_library(library, options.export, options.export_dtype, reporter)
     shape = library.parent.shape if library.parent is not None else None
     result, choices, scenario = dist.broadcast_object(None, build=lambda: _shared_outcome(
-        lambda: _solve(options, library, library_path, shape, profile, scenario, budgets, defaulted)))
+        lambda: _solve(options, library, library_path, shape, profile, scenario, budgets, defaulted, reporter,
+                       placement)))
     if isinstance(result, BaseException):
         raise result
     if library.has_trained_blocks and options.out is not None:
@@ -209,9 +214,10 @@ def _search(options: SearchOptions, reporter: Reporter, dist: Distributed, place
 
 
 def _solve(options: SearchOptions, library: BlockLibrary, library_path: Path, shape: ParentShape | None,
-           profile: HardwareProfile, scenario: Scenario, budgets: Budgets,
-           defaulted: bool) -> tuple[dict[str, Any], list[BlockChoice], Scenario]:
-    """Price the library, solve the MIP and describe the best solution (rank 0's stage)."""
+           profile: HardwareProfile, scenario: Scenario, budgets: Budgets, defaulted: bool, reporter: Reporter,
+           placement: Placement) -> tuple[dict[str, Any], list[BlockChoice], Scenario]:
+    """Price the library, solve the MIP (refined in context when asked) and describe the best solution
+    (rank 0's stage)."""
     stored = stored_costs(library) if options.costs == "library" else None
 
     def price(batch: int) -> LibraryCosts:
@@ -231,7 +237,11 @@ def _solve(options: SearchOptions, library: BlockLibrary, library_path: Path, sh
         sweep_report = {b: (s.objective if isinstance(s, Solution) else s) for b, s in sweep.per_batch.items()}
     costs = price(scenario.batch)
     problem, caps = make(scenario.batch)
-    solver = Solver.build(problem)
+    held_out = _held_out_scoring(options, library, library_path, problem)
+    corrections = Corrections.read(held_out.root, options.metric, held_out.tokens_hash) if held_out else None
+    parents = parent_choice_names(problem, shape)
+    solved = corrections.corrected(problem, parents) if corrections is not None else problem
+    solver = Solver.build(solved)
     # Written before solving, so that an infeasible budget can be inspected too.
     written = _write_costs_and_lp(options, costs, solver, caps)
     min_distance = options.min_distance or max(1, round(0.2 * len(problem.layers)))
@@ -239,6 +249,23 @@ def _solve(options: SearchOptions, library: BlockLibrary, library_path: Path, sh
     solve_s = time.perf_counter() - t0
     parent_stats = parent_totals(problem, shape)
     best = solutions[0]
+    refinement = None
+    rounds = options.refine if options.refine is not None else (3 if options.out is not None else 0)
+    if rounds and held_out is not None:
+        corrections = corrections or Corrections(options.metric, held_out.tokens_hash)
+        outcome = refine(problem, lambda p: Solver.build(p).solve(caps), _child_measurer(held_out, placement,
+                         options, reporter), parents, corrections, max_rounds=rounds, first=best)
+        corrections.write(held_out.root)
+        solved = corrections.corrected(problem, parents)
+        best = outcome.solution
+        solutions = [best] + [s for s in Solver.build(solved).solve_many(caps, k=options.solutions,
+                                                                          min_distance=min_distance)
+                              if s.choices != best.choices][:options.solutions - 1]
+        refinement = outcome.to_dict()
+        _announce_refinement(outcome, reporter)
+    elif options.refine and held_out is None:
+        reporter.notice("--refine skipped: it needs a library with trained blocks and its held-out tokens, "
+                        "scored by a loss (kl_div or lm_loss)")
     choices = solution_block_choices(best)
     if options.export == "gguf" and not any(c.attention.kind == "gqa" for c in choices):
         from mlxkit.engines.errors import InfeasibleError
@@ -250,6 +277,7 @@ def _solve(options: SearchOptions, library: BlockLibrary, library_path: Path, sh
         "target": profile.name, "scenario": scenario.to_dict(), "budgets": budgets.describe(), "caps": caps,
         "budgets_defaulted": defaulted, "library": str(library_path), "metric": options.metric,
         "costs": options.costs, "objective": best.objective, "status": best.status,
+        "objective_isolated": _isolated_sum(problem, best), "corrected": corrections is not None,
         "solve_time_s": round(solve_s, 3),
         "choices": [{"layer": i, "attention": c.attention.name, "ffn": c.ffn.name} for i, c in enumerate(choices)],
         "predicted": _predicted(best.totals, parent_stats, scenario, profile),
@@ -259,7 +287,66 @@ def _solve(options: SearchOptions, library: BlockLibrary, library_path: Path, sh
     }
     if sweep_report is not None:
         result["batch_sweep"] = sweep_report
+    if refinement is not None:
+        result["refinement"] = refinement
     return result, choices, scenario
+
+
+@dataclass(frozen=True)
+class _HeldOutScoring:
+    """The library's directory and the held-out tokens its variants were scored on."""
+
+    root: Path
+    val_ids: torch.Tensor
+    tokens_hash: str
+
+
+def _held_out_scoring(options: SearchOptions, library: BlockLibrary, library_path: Path,
+                      problem: SearchProblem) -> _HeldOutScoring | None:
+    """What in-context refinement needs, or None where it cannot run: no trained blocks (an NVlabs demo
+    library), no held-out tokens kept, or a bigger-is-better metric."""
+    if not library.has_trained_blocks or problem.bigger_is_better:
+        return None
+    root = LibraryDir(library_path if library_path.is_dir() else library_path.parent)
+    tokens_file = root.work / "tokens.pt"
+    if not tokens_file.exists():
+        return None
+    val = torch.load(tokens_file, weights_only=True)["val"][:options.eval_sequences]
+    return _HeldOutScoring(root.root, val, tokens_hash(val))
+
+
+def _child_measurer(held_out: _HeldOutScoring, placement: Placement, options: SearchOptions, reporter: Reporter):
+    """`measure(solution)` for `refine`: the solution's child assembled and measured against the parent."""
+    from mlxkit.engines.models.decilm.convert import from_parent
+    from mlxkit.engines.models.loading import load_model
+    from mlxkit.engines.puzzle.assemble import assemble_child
+
+    library = read_library(held_out.root)
+    assert library.parent is not None
+    parent = from_parent(load_model(library.parent.spec, dtype=placement.dtype, device=placement.device,
+                                    allow_pickle=options.allow_pickle, with_tokenizer=False, reporter=reporter).model)
+    parent.config._attn_implementation = "sdpa"
+    round_index = 0
+
+    def measure(solution: Solution) -> ChildMeasurement:
+        nonlocal round_index
+        round_index += 1
+        choices = solution_block_choices(solution)
+        child = assemble_child(parent, LibraryDir(held_out.root), choices).eval()
+        replaced = sum((c.attention != parent_attention(library.parent.shape))
+                       + (c.ffn != parent_ffn(library.parent.shape)) for c in choices)
+        with reporter.task(f"refinement round {round_index}: the child's {replaced} replaced subblocks in context",
+                           total=replaced) as task:
+            return measure_child(parent, child, choices, held_out.val_ids, on_subblock=task.advance)
+
+    return measure
+
+
+def _announce_refinement(outcome: RefinementResult, reporter: Reporter) -> None:
+    for index, entry in enumerate(outcome.rounds):
+        reporter.notice(f"refinement round {index + 1}: predicted KL {entry.predicted_isolated:.4f} from isolated "
+                        f"scores, {entry.predicted_corrected:.4f} corrected; measured {entry.measured:.4f}")
+    reporter.notice(f"refinement kept round {outcome.best_round + 1}'s child ({outcome.stopped})")
 
 
 def _shared_outcome(stage):
@@ -289,7 +376,8 @@ def search_frontier(options: SearchOptions, throughputs: list[str], reporter: Re
         predicted = result["predicted"]
         rows.append({"throughput": throughput, "speedup": predicted["speedup"], "memory_mib": predicted["memory_mib"],
                      "num_params": predicted["num_params"], "objective": result["objective"],
-                     "metric": result["metric"], "status": result["status"], "choices": result["choices"]})
+                     "metric": result["metric"], "status": result["status"], "choices": result["choices"],
+                     "corrected": result["corrected"], "objective_isolated": result["objective_isolated"]})
     return {"target": options.target, "frontier": rows}
 
 

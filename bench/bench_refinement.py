@@ -1,0 +1,122 @@
+"""Does in-context refinement make the MIP's estimate hold, and does it pick a better child?
+
+On two copies of the quality benchmark's block library (so its own children are untouched):
+
+0. `isolated`: at every target, `mlx search --refine 0` on a copy that is never refined: the
+   first solve on replace-1-block scores, as the search was before refinement.
+1. `refined`: `mlx search --refine 3` at each target in --refine-targets, in order. Each run
+   measures its children on the library's held-out tokens and leaves its corrections beside
+   the library copy, so later targets start from the earlier ones' corrections.
+2. `corrected`: at each target in --predict-targets, a search on the corrected library with
+   `--refine 0`: one solve, no new measurement. Its corrected prediction is out of sample:
+   none of the measurements behind the corrections was of this child.
+3. Every child is evaluated on wikitext-2 test (`mlx eval`, as the quality benchmark does),
+   and measured on the library's held-out calibration tokens by the search itself.
+
+    python bench/bench_refinement.py --work runs/bench_quality \\
+        --refine-targets h100:1.5x,cpu:1.5x --predict-targets h100:1.2x,h100:2x
+    python bench/bench_refinement.py --work runs/bench_quality --report
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_puzzle_quality as quality  # noqa: E402  (the quality benchmark's stages)
+
+
+def library_copy(work: Path, name: str) -> Path:
+    """Hard links of the library's blocks, scores and index, and its held-out tokens (no activations)."""
+    source, copy = work / "library", work / name
+    if not copy.exists():
+        tmp = copy.with_name(copy.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / ".work").mkdir(parents=True)
+        for name in ("blocks", "scores"):
+            subprocess.run(["cp", "-al", str(source / name), str(tmp / name)], check=True)
+        for name in ("library.json", "mlxkit.json"):
+            shutil.copy2(source / name, tmp / name)
+        shutil.copy2(source / ".work" / "tokens.pt", tmp / ".work" / "tokens.pt")
+        tmp.rename(copy)
+    return copy
+
+
+def search(work: Path, library: Path, target: str, throughput: str, label: str, refine: int) -> tuple[Path, dict]:
+    name = f"{target}-{throughput}"
+    out = work / "children" / name / label
+    record = work / "children" / name / f"{label}.json"
+    return out, quality.cached(record, lambda: quality.run_json(
+        ["search", "--library", str(library), "--target", target, "--throughput", throughput,
+         "--refine", str(refine), "--out", str(out), "--overwrite"], work / "logs" / f"search-{name}-{label}.log"))
+
+
+def report(work: Path) -> str:
+    parent = json.loads((work / "evals" / "parent.json").read_text())
+    lines = [f"Parent perplexity {parent['perplexity']:.2f} on wikitext-2 test ({parent['tokens']} tokens).\n",
+             "| target | child | predicted speedup | Σ isolated KL | corrected prediction | measured KL (held-out "
+             "calibration) | KL on wikitext-2 test | ppl on wikitext-2 test | refinement rounds (measured KL) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for record in sorted((work / "children").glob("*/*.json")):
+        name, label = record.parent.name, record.stem
+        if label not in ("isolated", "refined", "corrected"):
+            continue
+        info = json.loads(record.read_text())
+        evaluation = work / "evals" / f"{name}-{label}.json"
+        test = json.loads(evaluation.read_text()) if evaluation.exists() else {}
+        isolated, speedup = info.get("objective_isolated"), info["predicted"]["speedup"]
+        corrected = info["objective"] if info.get("corrected") else None
+        measured = info.get("evaluation", {}).get("kl_div")
+        refinement, rounds = info.get("refinement"), ""
+        if refinement:
+            rounds = ", ".join(f"{r['measured']:.3f}" + ("*" if k == refinement["best_round"] else "")
+                               for k, r in enumerate(refinement["rounds"]))
+            # The kept child's prediction as made before it was measured (the isolated sum when round 1 had
+            # no corrections to start from).
+            corrected = refinement["rounds"][refinement["best_round"]]["predicted_corrected"]
+
+        def num(value, digits=4):
+            return "–" if value is None else f"{value:.{digits}f}"
+        lines.append(f"| {name} | {label} | {num(speedup, 3)} | {num(isolated)} | "
+                     f"{num(corrected)} | {num(measured)} | {num(test.get('kl_div'))} | "
+                     f"{num(test.get('perplexity'), 2)} | {rounds} |")
+    text = "\n".join(lines)
+    (work / "report-refinement.md").write_text(text + "\n")
+    return text
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work", type=Path, default=quality.REPO / "runs" / "bench_quality")
+    parser.add_argument("--refine-targets", default="h100:1.5x,cpu:1.5x")
+    parser.add_argument("--predict-targets", default="h100:1.2x,h100:2x")
+    parser.add_argument("--report", action="store_true", help="only print the table from what is done")
+    args = parser.parse_args()
+    work = args.work.resolve()
+    (work / "logs").mkdir(parents=True, exist_ok=True)
+    if not args.report:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        calibration = quality.calibration_text(work)
+        quality.build_library(work, calibration)
+        quality.evaluate(work, quality.PARENT, "parent")
+        plain, refined = library_copy(work, "library-isolated"), library_copy(work, "library-refined")
+        plan = [(t, "refined", 3) for t in args.refine_targets.split(",")] + \
+               [(t, "corrected", 0) for t in args.predict_targets.split(",")]
+        for spec, label, rounds in plan:
+            target, throughput = spec.split(":")
+            name = f"{target}-{throughput}"
+            for library, kind, count in ((plain, "isolated", 0), (refined, label, rounds)):
+                quality.log(f"stage: {name} {kind}")
+                out, _ = search(work, library, target, throughput, kind, count)
+                quality.evaluate(work, str(out), f"{name}-{kind}")
+    print(report(work))
+
+
+if __name__ == "__main__":
+    main()
