@@ -5,10 +5,10 @@ On two copies of the quality benchmark's block library (so its own children are 
 0. `isolated`: at every target, `mlx search --refine 0` on a copy that is never refined: the
    first solve on replace-1-block scores, as the search was before refinement.
 1. `refined`: `mlx search --refine 3` at each target in --refine-targets, in order. Each run
-   measures its children on the library's held-out tokens and leaves its corrections beside
-   the library copy, so later targets start from the earlier ones' corrections.
+   starts from the isolated scores, measures its children on the library's held-out tokens,
+   and leaves its corrections beside the library copy (the last run's stay).
 2. `corrected`: at each target in --predict-targets, a search on the corrected library with
-   `--refine 0`: one solve, no new measurement. Its corrected prediction is out of sample:
+   `--refine 0`: one solve with the last refinement's corrections, no new measurement. Its corrected prediction is out of sample:
    none of the measurements behind the corrections was of this child.
 3. Every child is evaluated on wikitext-2 test (`mlx eval`, as the quality benchmark does),
    and measured on the library's held-out calibration tokens by the search itself.

@@ -44,19 +44,22 @@ def render_search(result: dict, console: Console, quiet: bool = False) -> None:
         if predicted.get("num_params"):
             summary.add_row("parameters", f"{_num(predicted['num_params'])} (parent {_num(predicted['parent_num_params'])})")
         evaluation = result.get("evaluation") or {}
-        if evaluation:
-            label = "held-out perplexity" + (" (before GKD)" if result.get("gkd") else "")
-            summary.add_row(label, f"{evaluation['perplexity']:.3f} child vs "
+        after = result.get("evaluation_after_gkd") or {}
+        if evaluation and after:
+            # One pair, on the same held-out tokens: the assembled child, then the distilled one.
+            summary.add_row("held-out perplexity", f"{evaluation['perplexity']:.2f} → {after['perplexity']:.2f} "
+                                                   f"after GKD; parent {evaluation['parent_perplexity']:.2f} "
+                                                   f"({evaluation['tokens']} tokens)")
+            summary.add_row("KL / top-1 agreement", f"{evaluation['kl_div']:.4f} → {after['kl_div']:.4f} / "
+                                                    f"{evaluation['top1_agreement']:.3f} → {after['top1_agreement']:.3f}")
+        elif evaluation:
+            summary.add_row("held-out perplexity", f"{evaluation['perplexity']:.3f} child vs "
                                                    f"{evaluation['parent_perplexity']:.3f} parent "
                                                    f"({evaluation['tokens']} tokens)")
             summary.add_row("KL / top-1 agreement", f"{evaluation['kl_div']:.4f} / {evaluation['top1_agreement']:.3f}")
         gkd = result.get("gkd")
         if gkd:
-            before, after = gkd["before"], gkd["after"]
-            summary.add_row("global distillation", f"{gkd['tokens']} tokens; held-out KL {before['kl_div']:.4f} → "
-                                                   f"{after['kl_div']:.4f}, top-1 {before['top1_agreement']:.3f} → "
-                                                   f"{after['top1_agreement']:.3f}, perplexity "
-                                                   f"{before['perplexity']:.2f} → {after['perplexity']:.2f}")
+            summary.add_row("global distillation", f"{gkd['tokens']} tokens in {gkd['steps']} steps")
         for alt in result.get("alternatives", []):
             summary.add_row("alternative", f"{result['metric']} {_num(alt['objective'])}, differs in "
                                            f"{alt['distance_from_best']} layers")

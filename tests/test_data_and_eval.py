@@ -9,7 +9,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from conftest import make_char_tokenizer
+from conftest import recording_reporter, make_char_tokenizer
 from mlxkit.cli.main import app
 from mlxkit.engines.data.text import load_blocks, pack, read_texts, split, tokenize
 from mlxkit.engines.errors import InputError
@@ -108,18 +108,20 @@ def test_cli_eval_without_data_samples_announces_and_caches(tiny_llama_dir, isol
     args = ["eval", str(tiny_llama_dir), "--max-tokens", "128", "--seq-len", "32"]
     first = runner.invoke(app, args)
     assert first.exit_code == 0, first.output
-    assert "no --data given: sampling 4 x 32 calibration tokens from the model (seed 0)" in first.stderr
+    assert "no --data given: sampling 4 x 32 calibration tokens from the model (seed 0, temperature 1.0;" \
+        in first.stderr
+    assert "--data, gives a better child" in first.stderr
     cached = sorted((isolated_cache / "calibration").glob("*.pt"))
     assert len(cached) == 1 and not list((isolated_cache / "calibration").glob(".*"))  # no temporaries left
     tokens, stamp = torch.load(cached[0], weights_only=True), cached[0].stat().st_mtime_ns
-    assert tokens.shape == (4, 32) and tokens.dtype == torch.long
+    assert tokens.dtype == torch.long and tokens.numel() >= 4 * 32
 
     again = runner.invoke(app, [*args, "--json"])  # reads the cache: same tokens, same result
     assert again.exit_code == 0, again.output
     payload = json.loads(again.stdout)
     assert payload["data"] == "text sampled from the model itself" and payload["tokens"] == 4 * 31
     assert cached[0].stat().st_mtime_ns == stamp
-    assert "sampled from the model (seed 0, cached at" in runner.invoke(app, args).stderr
+    assert "sampled from the model (seed 0, temperature 1.0; cached at" in runner.invoke(app, args).stderr
 
     # seeded: sampling again from scratch gives the same tokens; another seed gives others
     cached[0].unlink()
@@ -129,3 +131,27 @@ def test_cli_eval_without_data_samples_announces_and_caches(tiny_llama_dir, isol
     assert other.exit_code == 0 and json.loads(other.stdout)["perplexity"] != payload["perplexity"]
     (seed1,) = set((isolated_cache / "calibration").glob("*.pt")) - {cached[0]}
     assert not torch.equal(torch.load(seed1, weights_only=True), tokens)
+
+
+def test_sampled_rows_do_not_depend_on_what_was_asked_before(isolated_cache):
+    """One pool serves every request: a small request then a large one gives the rows a large request alone
+    gives, shorter sequences are pieces of the same rows, and a model's Puzzle conversion shares the pool."""
+    from conftest import make_char_tokenizer, make_tiny_llama
+    from mlxkit.engines.data.sampled import ROWS_PER_BATCH, sample_tokens
+    from mlxkit.engines.models.decilm.convert import from_parent
+
+    model, tokenizer = make_tiny_llama().eval(), make_char_tokenizer()
+    small = sample_tokens(model, tokenizer, n_sequences=3, seq_len=64, seed=4)
+    large = sample_tokens(model, tokenizer, n_sequences=4 * ROWS_PER_BATCH + 5, seq_len=64, seed=4)
+    (pool,) = (isolated_cache / "calibration").glob("*.pt")
+    assert torch.equal(large[:3], small)
+    pool.unlink()
+    alone = sample_tokens(model, tokenizer, n_sequences=4 * ROWS_PER_BATCH + 5, seq_len=64, seed=4)
+    assert torch.equal(alone, large)
+    halves = sample_tokens(model, tokenizer, n_sequences=6, seq_len=32, seed=4)
+    assert torch.equal(halves, large[:3].reshape(6, 32))
+    reporter = recording_reporter()
+    converted = sample_tokens(from_parent(model).eval(), tokenizer, n_sequences=6, seq_len=32, seed=4,
+                              reporter=reporter)
+    assert torch.equal(converted, halves) and "cached at" in reporter.lines[0]
+    assert large[::4, 0].eq(tokenizer.bos_token_id).all()  # each 256-token row starts at BOS

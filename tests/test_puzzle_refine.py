@@ -170,3 +170,5 @@ def test_search_refines_in_context_and_later_solves_use_the_corrections(built_li
     assert dry["objective_isolated"] == pytest.approx(isolated(dry["choices"]), rel=1e-6)
     plain = search("--dry-run", "--refine", "0")
     assert plain["corrected"] is True  # the corrections stay in use; --refine 0 only skips new measurements
+    again = search("--out", str(tmp_path / "again"), "--refine", "3")  # refining starts from the isolated scores
+    assert again["refinement"] == refinement and again["choices"] == payload["choices"]

@@ -10,9 +10,10 @@ has its isolated score scaled by how much the last child's KL exceeded its summe
 The corrected problem is solved again, and the loop stops when the choice repeats or after
 `max_rounds` measured children. The child with the lowest measured KL is kept.
 
-The corrections are written beside the library (`refinement.json`), keyed by the metric and
-the held-out tokens, so later solves on the same library (a frontier, another target) use
-the corrected estimate.
+The corrections of the last refining search are written beside the library (`refinement.json`),
+keyed by the metric and the held-out tokens; searches on that library that do not refine (a
+`--dry-run`, a frontier, `--refine 0`) solve with them. A refining search always starts from
+the isolated scores, so the same command gives the same child whatever ran before it.
 """
 
 from __future__ import annotations

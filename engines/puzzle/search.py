@@ -238,7 +238,12 @@ def _solve(options: SearchOptions, library: BlockLibrary, library_path: Path, sh
     costs = price(scenario.batch)
     problem, caps = make(scenario.batch)
     held_out = _held_out_scoring(options, library, library_path, problem)
-    corrections = Corrections.read(held_out.root, options.metric, held_out.tokens_hash) if held_out else None
+    rounds = options.refine if options.refine is not None else (3 if options.out is not None else 0)
+    refining = bool(rounds) and held_out is not None
+    # A refining search starts from the isolated scores, so that the same command gives the same child
+    # whatever ran before it; a search that does not refine solves with the last refinement's corrections.
+    corrections = (Corrections.read(held_out.root, options.metric, held_out.tokens_hash)
+                   if held_out is not None and not refining else None)
     parents = parent_choice_names(problem, shape)
     solved = corrections.corrected(problem, parents) if corrections is not None else problem
     solver = Solver.build(solved)
@@ -250,9 +255,9 @@ def _solve(options: SearchOptions, library: BlockLibrary, library_path: Path, sh
     parent_stats = parent_totals(problem, shape)
     best = solutions[0]
     refinement = None
-    rounds = options.refine if options.refine is not None else (3 if options.out is not None else 0)
-    if rounds and held_out is not None:
-        corrections = corrections or Corrections(options.metric, held_out.tokens_hash)
+    if refining:
+        assert held_out is not None
+        corrections = Corrections(options.metric, held_out.tokens_hash)
         outcome = refine(problem, lambda p: Solver.build(p).solve(caps), _child_measurer(held_out, placement,
                          options, reporter), parents, corrections, max_rounds=rounds, first=best)
         corrections.write(held_out.root)
@@ -505,15 +510,42 @@ def _build_and_distil(options: SearchOptions, library_path: Path, library: Block
         sharding=options.sharding, manifest_extra={"search": search_stages}), reporter)
     if not dist.is_main:
         return {}
+    after = _evaluate_saved_child(Path(summary["out"]), library_path, library, options, placement, reporter)
     shutil.rmtree(search_work_dir(options.out), ignore_errors=True)
     return {"out": summary["out"], "num_params": before["num_params"], "evaluation": before["evaluation"],
-            "gkd": {k: v for k, v in summary.items() if k != "out"}}
+            "evaluation_after_gkd": after, "gkd": {k: v for k, v in summary.items() if k != "out"}}
+
+
+def _evaluate_saved_child(child_dir: Path, library_path: Path, library: BlockLibrary, options: SearchOptions,
+                          placement: Placement, reporter: Reporter) -> dict[str, Any]:
+    """The saved child against the parent on the held-out tokens the undistilled child was evaluated on."""
+    from mlxkit.engines.models.loading import load_model
+
+    assert library.parent is not None
+    tokens_file = LibraryDir(library_path if library_path.is_dir() else library_path.parent).work / "tokens.pt"
+    if not tokens_file.exists():
+        return {}
+    val = torch.load(tokens_file, weights_only=True)["val"][: options.eval_sequences]
+    parent = load_model(library.parent.spec, dtype=placement.dtype, device=placement.device,
+                        allow_pickle=options.allow_pickle, with_tokenizer=False, reporter=reporter).model
+    child = load_model(str(child_dir), dtype=placement.dtype, device=placement.device, with_tokenizer=False,
+                       reporter=reporter).model
+    return _held_out_evaluation(child, parent, val.to(placement.device), reporter)
+
+
+def _held_out_evaluation(child, parent, val: torch.Tensor, reporter: Reporter) -> dict[str, Any]:
+    from mlxkit.engines.eval.language_model import evaluate
+
+    with reporter.task("evaluating child against parent on held-out tokens"):
+        child_eval = evaluate(child, val, reference=parent)
+        parent_eval = evaluate(parent, val)
+    return {"perplexity": child_eval.perplexity, "parent_perplexity": parent_eval.perplexity,
+            "kl_div": child_eval.kl_div, "top1_agreement": child_eval.top1_agreement, "tokens": child_eval.tokens}
 
 
 def _build_child(options: SearchOptions, library_path: Path, library: BlockLibrary, choices: list[BlockChoice],
                  result: dict[str, Any], profile: HardwareProfile, scenario: Scenario, started: float,
                  reporter: Reporter, placement: Placement) -> dict[str, Any]:
-    from mlxkit.engines.eval.language_model import evaluate
     from mlxkit.engines.models.decilm.convert import from_parent
     from mlxkit.engines.models.loading import load_model, source_dtype
     from mlxkit.engines.models.saving import save_model
@@ -535,11 +567,7 @@ def _build_child(options: SearchOptions, library_path: Path, library: BlockLibra
     evaluation: dict[str, Any] = {}
     if tokens_file.exists():
         val = torch.load(tokens_file, weights_only=True)["val"][: options.eval_sequences].to(placement.device)
-        with reporter.task("evaluating child against parent on held-out tokens"):
-            child_eval = evaluate(child, val, reference=parent)
-            parent_eval = evaluate(parent, val)
-        evaluation = {"perplexity": child_eval.perplexity, "parent_perplexity": parent_eval.perplexity,
-                      "kl_div": child_eval.kl_div, "top1_agreement": child_eval.top1_agreement, "tokens": child_eval.tokens}
+        evaluation = _held_out_evaluation(child, parent, val, reporter)
 
     manifest = Manifest(verb="search", started=started)
     manifest.add_input("parent", parent_spec, loaded.source.path)
