@@ -36,6 +36,10 @@ def distill_command(
     score_only: Annotated[bool, typer.Option("--score-only", help="Only (re)score an existing library.")] = False,
     no_score: Annotated[bool, typer.Option("--no-score", help="Build the blocks but do not score them.")] = False,
     init_only: Annotated[bool, typer.Option("--init-only", help="Initialise blocks without BLD training (ablation).")] = False,
+    keep_activations: Annotated[bool, typer.Option("--keep-activations", help="Keep the parent's cached activations "
+                                                   "in the finished library's .work/ (hundreds of MB; baselines and "
+                                                   "block initialisation studies read them; --score-only recomputes "
+                                                   "them when they are gone).")] = False,
     text_field: TextFieldOpt = "text",
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
@@ -54,6 +58,8 @@ def distill_command(
         raise fail("choose one distillation mode: --bld (block library), --gkd (global distillation) or --kd")
     check_placement(device, dtype, save_dtype)
     output = Output(json_out, quiet, verbose)
+    if (gkd or kd) and keep_activations:
+        raise fail("--keep-activations keeps a block library's activation cache; it needs --bld")
     if gkd or kd:
         from mlxkit.cli.distill_global import run_global_distillation
 
@@ -68,7 +74,7 @@ def distill_command(
     options = DistillOptions(model=model, out=out, recipe=load_recipe(recipe or "quick"), data=data,
                              text_field=text_field, seed=seed, train=not init_only, score=not no_score,
                              score_only=score_only, allow_pickle=allow_pickle, device=device, dtype=dtype,
-                             save_dtype=save_dtype)
+                             save_dtype=save_dtype, keep_activations=keep_activations)
     with claimed_output(out, kind="dir", inputs=[model, data]):
         summary = run_distill(options, output.reporter)
     if not summary:  # a non-zero rank of a distributed run: rank 0 reports

@@ -190,7 +190,8 @@ def built_library(tiny_llama_dir, text_file, tiny_recipe_file, tmp_path) -> Path
 
     out = tmp_path / "lib"
     result = CliRunner().invoke(app, ["distill", "--bld", "--model", str(tiny_llama_dir), "--recipe",
-                                      str(tiny_recipe_file), "--data", str(text_file), "--out", str(out), "--quiet"])
+                                      str(tiny_recipe_file), "--data", str(text_file), "--out", str(out), "--quiet",
+                                      "--keep-activations"])
     assert result.exit_code == 0, result.output
     return out
 

@@ -49,7 +49,7 @@ def _files(root: Path) -> dict[str, Path]:
 
 def _options(files: dict[str, Path], out: Path, **extra) -> DistillOptions:
     return DistillOptions(model=str(files["model"]), out=out, recipe=load_recipe(str(files["recipe"])),
-                          data=files["data"], device="cpu", **extra)
+                          data=files["data"], device="cpu", keep_activations=True, **extra)
 
 
 @pytest.fixture(scope="module")

@@ -137,7 +137,7 @@ def test_distill_refuses_a_directory_built_with_other_settings(tiny_llama_dir, t
 
 def test_init_only_writes_the_initialised_blocks_untrained(tiny_llama_dir, tiny_recipe_file, text_file, tmp_path):
     out = tmp_path / "lib"
-    summary = _distill(tiny_llama_dir, tiny_recipe_file, text_file, out, "--init-only")
+    summary = _distill(tiny_llama_dir, tiny_recipe_file, text_file, out, "--init-only", "--keep-activations")
     assert summary["subblocks_trained"] == 0 and summary["variants_scored"] == 8
     library = read_library(out)
     assert library.run_key.train is False
@@ -226,3 +226,22 @@ def test_two_process_torchrun_matches_single_process(tiny_llama_dir, tiny_recipe
         other = load_file(str(LibraryDir(multi).blocks / path.name))
         for key, tensor in load_file(str(path)).items():
             torch.testing.assert_close(other[key], tensor)
+
+
+def test_a_finished_library_drops_its_activation_cache_and_rescoring_recomputes_it(tiny_llama_dir, tiny_recipe_file,
+                                                                                   text_file, tmp_path):
+    kept, dropped = tmp_path / "kept", tmp_path / "dropped"
+    _distill(tiny_llama_dir, tiny_recipe_file, text_file, kept, "--keep-activations")
+    _distill(tiny_llama_dir, tiny_recipe_file, text_file, dropped)
+    assert any((kept / ".work" / "activations").iterdir())
+    assert not (dropped / ".work" / "activations").exists()
+    assert (dropped / ".work" / "tokens.pt").exists()  # the held-out tokens stay for the search's evaluation
+
+    def scores(path):
+        library = read_library(path)
+        return {(layer.layer, kind, name): entry.metrics for layer in library.layers
+                for kind in ("attention", "ffn") for name, entry in layer.entries(kind).items()}
+
+    assert scores(dropped) == scores(kept)
+    _distill(tiny_llama_dir, tiny_recipe_file, text_file, dropped, "--score-only")
+    assert scores(dropped) == scores(kept) and not (dropped / ".work" / "activations").exists()

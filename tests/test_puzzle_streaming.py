@@ -23,6 +23,7 @@ from mlxkit.engines.training.device import Placement
 
 def _options(parent: Path, recipe: Path, out: Path, **extra) -> DistillOptions:
     extra.setdefault("data", None)
+    extra.setdefault("keep_activations", True)  # these tests compare the activation caches
     return DistillOptions(model=str(parent), out=out, recipe=load_recipe(str(recipe)), device="cpu", **extra)
 
 

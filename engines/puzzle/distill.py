@@ -40,6 +40,7 @@ import gc
 import hashlib
 import json
 import statistics
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -93,6 +94,7 @@ class DistillOptions:
     dtype: str = "auto"
     save_dtype: str | None = None
     stream: bool = True                  # False: hold the whole parent in memory (the reference path)
+    keep_activations: bool = False       # False: a finished library drops its activation cache
 
 
 @dataclass(frozen=True)
@@ -148,6 +150,9 @@ def run_distill(options: DistillOptions, reporter: Reporter | None = None) -> di
         summary: dict[str, Any] = {}
         if dist.is_main:
             index = _write_index(parent, space, library, options, source, started, key)
+            if not options.keep_activations:
+                # Only building and scoring read the cache; the held-out tokens and the run key stay in .work/.
+                shutil.rmtree(states_dir, ignore_errors=True)
             summary = summarise(index)
             summary["library"] = str(library.index_file)
             summary["wall_time_s"] = round(time.time() - started, 1)
