@@ -44,7 +44,8 @@ def main() -> None:
     args = parser.parse_args()
     data = ["--data", args.data] if args.data else []
     bld_dir, init_dir = args.out / args.recipe, args.out / f"{args.recipe}-init"
-    wall = run(["distill", "--bld", "--recipe", args.recipe, "--out", str(bld_dir), "--quiet", *data])
+    wall = run(["distill", "--bld", "--recipe", args.recipe, "--out", str(bld_dir), "--quiet", "--keep-activations",
+                *data])
     manifest = json.loads((bld_dir / "mlxkit.json").read_text())
     if not (init_dir / "library.json").exists():
         (init_dir / ".work").mkdir(parents=True, exist_ok=True)
