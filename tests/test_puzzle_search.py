@@ -271,3 +271,15 @@ def test_export_options_are_checked_before_any_work(args, message, tmp_path):
                                  "--out", str(tmp_path / "child"), *args])
     assert result.exit_code != 0 and message in result.output
     assert not (tmp_path / "child").exists()
+
+
+def test_a_parent_the_export_format_cannot_hold_fails_before_the_library_is_built(tmp_path, monkeypatch):
+    from conftest import make_tiny_llama, save_with_tokenizer
+    from mlxkit.engines.puzzle import distill
+
+    parent = save_with_tokenizer(make_tiny_llama(head_dim=16), tmp_path / "parent")  # not hidden / heads
+    monkeypatch.setattr(distill, "run_distill", lambda *a, **k: pytest.fail("the library build started"))
+    result = runner.invoke(app, ["search", "--model", str(parent), "--target", "h100", "--export", "nemotron-nas",
+                                 "--out", str(tmp_path / "child")])
+    assert result.exit_code == 2 and "Nemotron-NAS derives head_dim" in result.output
+    assert not (tmp_path / "child").exists()

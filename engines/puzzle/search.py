@@ -188,6 +188,11 @@ def _search(options: SearchOptions, reporter: Reporter, dist: Distributed, place
         reporter.notice(f"no budget given: searching for {DEFAULT_THROUGHPUT} the parent's throughput "
                         f"on {profile.name} ({scenario})")
 
+    if options.export is not None and options.library is None:
+        from mlxkit.engines.export import check_exportable
+
+        # Before the library is built: a parent the format cannot hold fails in seconds, not after BLD.
+        check_exportable(options.model, options.export, options.export_dtype, reporter)
     library_path, library = _library(options, reporter, dist)
     if options.export is not None:
         library = _exportable_library(library, options.export, options.export_dtype, reporter)
