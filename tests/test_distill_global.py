@@ -261,3 +261,88 @@ def test_replaced_blocks_and_their_neighbours_train_and_nothing_else_moves(text_
 def test_replaced_blocks_needs_a_puzzle_child(pair, text_file, tmp_path):
     with pytest.raises(InputError, match="needs a Puzzle child"):
         run_distillation(_options(pair, text_file, tmp_path / "out", recipe={"trainable": "replaced_blocks"}))
+
+
+# ----------------------------------------------------------------------------- top-k KL with one bucket for the tail
+
+def test_top_k_kl_equals_the_kl_of_the_merged_distributions_and_bounds_the_full_kl():
+    from mlxkit.engines.distill.losses import top_k_kl
+
+    rng = np.random.default_rng(0)
+    n, vocab, k = 6, 50, 7
+    t_logits, s_logits = rng.normal(size=(n, vocab)) * 2, rng.normal(size=(n, vocab)) * 2
+    p = np.exp(t_logits) / np.exp(t_logits).sum(-1, keepdims=True)
+    q = np.exp(s_logits) / np.exp(s_logits).sum(-1, keepdims=True)
+    index = np.argsort(-p, -1)[:, :k]
+    expected = []
+    for row in range(n):
+        rest = np.setdiff1d(np.arange(vocab), index[row])
+        merged_p = np.append(p[row, index[row]], p[row, rest].sum())
+        merged_q = np.append(q[row, index[row]], q[row, rest].sum())
+        expected.append((merged_p * np.log(merged_p / merged_q)).sum())
+    full = (p * np.log(p / q)).sum(-1)
+    got = top_k_kl(torch.tensor(np.log(p[np.arange(n)[:, None], index])), torch.tensor(index),
+                   F.log_softmax(torch.tensor(s_logits), -1)).numpy()
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+    assert (got <= full + 1e-9).all() and (got < full).any()
+    # with every token kept there is no bucket, and it is the full KL
+    all_index = np.argsort(-p, -1)
+    whole = top_k_kl(torch.tensor(np.log(p[np.arange(n)[:, None], all_index])), torch.tensor(all_index),
+                     F.log_softmax(torch.tensor(s_logits), -1)).numpy()
+    np.testing.assert_allclose(whole, full, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- the teacher's cached top-k outputs
+
+KL_ONLY = {"loss.cosine_weight": 0.0}
+
+
+def test_teacher_cache_with_every_token_kept_trains_as_the_full_kl_does(pair, text_file, tmp_path, isolated_cache):
+    full = run_distillation(_options(pair, text_file, tmp_path / "full", recipe=KL_ONLY))
+    cached = run_distillation(_options(pair, text_file, tmp_path / "cached",
+                                       recipe={**KL_ONLY, "loss.teacher_top_k": 128}))  # the tiny vocabulary
+    assert cached["teacher_cache"]["misses"] > 0
+    a, b = _weights(tmp_path / "full"), _weights(tmp_path / "cached")
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5)
+    assert cached["after"]["kl_div"] == pytest.approx(full["after"]["kl_div"], rel=1e-4)
+
+
+def test_teacher_cache_is_reused_by_another_student_without_running_the_teacher(pair, text_file, tmp_path,
+                                                                                 isolated_cache, monkeypatch):
+    from mlxkit.engines.distill.teacher_cache import TeacherLogitCache
+
+    recipe = {**KL_ONLY, "loss.teacher_top_k": 8}
+    first = run_distillation(_options(pair, text_file, tmp_path / "first", recipe=recipe))
+    assert first["teacher_cache"]["misses"] > 0
+    entries = sorted(Path(first["teacher_cache"]["path"]).glob("*.safetensors"))
+    assert len(entries) == first["teacher_cache"]["misses"]
+    monkeypatch.setattr(TeacherLogitCache, "_compute", lambda *a: pytest.fail("the teacher ran on a cached sequence"))
+    second = run_distillation(_options(pair, text_file, tmp_path / "second", recipe=recipe))
+    assert second["teacher_cache"]["misses"] == 0 and second["teacher_cache"]["hits"] > 0
+
+
+def test_teacher_cache_entries_are_the_teachers_top_k_at_the_temperature(pair, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from mlxkit.engines.distill.teacher_cache import TeacherLogitCache
+
+    teacher = AutoModelForCausalLM.from_pretrained(pair[0]).eval()
+    ids = torch.randint(3, 128, (3, 20), generator=torch.Generator().manual_seed(2))
+    cache = TeacherLogitCache({"spec": "tiny"}, top_k=5, temperature=2.0, compute_dtype="float32", root=tmp_path)
+    logp, index = cache.top_k_for(teacher, ids)
+    with torch.no_grad():
+        expected = F.log_softmax(teacher(ids).logits[:, :-1].float() / 2.0, -1).topk(5, -1)
+    torch.testing.assert_close(logp, expected.values, rtol=1e-5, atol=1e-6)
+    assert torch.equal(index, expected.indices)
+    again = TeacherLogitCache({"spec": "tiny"}, top_k=5, temperature=2.0, compute_dtype="float32", root=tmp_path)
+    logp2, index2 = again.top_k_for(teacher, ids[[2, 0]])
+    assert again.hits == 2 and again.misses == 0
+    assert torch.equal(logp2, logp[[2, 0]]) and torch.equal(index2, index[[2, 0]])
+    other = TeacherLogitCache({"spec": "tiny"}, top_k=5, temperature=1.0, compute_dtype="float32", root=tmp_path)
+    assert other.path != cache.path
+
+
+def test_teacher_cache_refuses_the_cosine_term():
+    with pytest.raises(RecipeError, match="teacher_top_k"):
+        load_distill_recipe("gkd").with_overrides({"loss.teacher_top_k": 16, "loss.cosine_weight": 1.0})

@@ -73,3 +73,56 @@ def logit_term_sums(student_final: torch.Tensor, teacher_final: torch.Tensor, in
                              temperature, with_kl, with_nll, use_reentrant=False)
         kl_total, nll_total = kl_total + kl, nll_total + nll
     return LogitTermSums(kl_total, nll_total)
+
+
+def top_k_kl(teacher_top_logp: torch.Tensor, teacher_top_index: torch.Tensor,
+             student_logp: torch.Tensor) -> torch.Tensor:
+    """KL(teacher || student) over the teacher's top-k tokens plus one bucket for the rest of the vocabulary.
+
+    `teacher_top_logp` [N, k] are the teacher's log-probabilities of its k likeliest tokens
+    (`teacher_top_index` [N, k]); `student_logp` [N, V] the student's full log-probabilities.
+    Merging the other tokens into one outcome gives the KL of the coarsened distributions,
+    which by the data-processing inequality never exceeds the full KL, and equals it when
+    the student's distribution over the merged tokens is proportional to the teacher's.
+    Returns the KL at each row [N], in float32.
+    """
+    p_log = teacher_top_logp.float()
+    q_log = student_logp.gather(-1, teacher_top_index.long())
+    head = (p_log.exp() * (p_log - q_log)).sum(-1)
+    # The merged outcome: log(1 − Σ p) computed from the log-probabilities, clamped where rounding
+    # makes the top-k mass reach 1 (then the bucket carries no probability and adds nothing).
+    p_rest = torch.logsumexp(p_log, -1).clamp(max=0.0)
+    q_rest = torch.logsumexp(q_log, -1).clamp(max=-1e-7)
+    log_p_tail = torch.log((-torch.expm1(p_rest)).clamp(min=0.0))
+    log_q_tail = torch.log(-torch.expm1(q_rest))
+    tail = torch.where(torch.isfinite(log_p_tail), log_p_tail.exp() * (log_p_tail - log_q_tail),
+                       torch.zeros_like(head))
+    return head + tail
+
+
+def _cached_chunk_sums(student_h: torch.Tensor, top_logp: torch.Tensor, top_index: torch.Tensor,
+                       targets: torch.Tensor, student_head: torch.nn.Module, temperature: float,
+                       with_nll: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = student_head(student_h).float()
+    kl = top_k_kl(top_logp, top_index, F.log_softmax(logits / temperature, dim=-1)).sum() * temperature ** 2
+    nll = F.cross_entropy(logits, targets, reduction="sum") if with_nll else logits.new_zeros((), dtype=torch.float32)
+    return kl, nll
+
+
+def cached_logit_term_sums(student_final: torch.Tensor, top_logp: torch.Tensor, top_index: torch.Tensor,
+                           input_ids: torch.Tensor, student_head: torch.nn.Module, *, temperature: float = 1.0,
+                           with_nll: bool = False, chunk: int = LOGIT_CHUNK) -> LogitTermSums:
+    """`logit_term_sums` against a teacher's cached top-k log-probabilities ([B, T-1, K], at `temperature`)
+    instead of its hidden states: the KL term is `top_k_kl`, T²-scaled."""
+    hidden = student_final.shape[-1]
+    s = student_final[:, :-1].reshape(-1, hidden)
+    k = top_logp.shape[-1]
+    logp, index = top_logp.reshape(-1, k).to(s.device), top_index.reshape(-1, k).to(s.device)
+    targets = input_ids[:, 1:].reshape(-1).to(s.device)
+    kl_total = nll_total = s.new_zeros((), dtype=torch.float32)
+    for lo in range(0, s.shape[0], chunk):
+        hi = lo + chunk
+        kl, nll = checkpoint(_cached_chunk_sums, s[lo:hi], logp[lo:hi], index[lo:hi], targets[lo:hi], student_head,
+                             temperature, with_nll, use_reentrant=False)
+        kl_total, nll_total = kl_total + kl, nll_total + nll
+    return LogitTermSums(kl_total, nll_total)

@@ -23,11 +23,18 @@ class LossSpec(_Strict):
     kl_weight: float = Field(1.0, ge=0, allow_inf_nan=False)
     lm_weight: float = Field(0.0, ge=0, allow_inf_nan=False)
     temperature: float = Field(1.0, gt=0, le=100, allow_inf_nan=False)
+    # K: the KL term compares the student with the teacher's K likeliest tokens plus one bucket for the
+    # rest, read from a cache of the teacher's outputs (engines/distill/teacher_cache.py); the teacher
+    # runs only on sequences no earlier run has cached. None: the teacher runs on every step, full KL.
+    teacher_top_k: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _some_term(self) -> "LossSpec":
         if self.cosine_weight == self.kl_weight == self.lm_weight == 0:
             raise ValueError("at least one of cosine_weight, kl_weight, lm_weight must be positive")
+        if self.teacher_top_k is not None and self.cosine_weight > 0:
+            raise ValueError("teacher_top_k caches the teacher's logits, not its hidden states: it needs "
+                             "cosine_weight: 0")
         return self
 
 

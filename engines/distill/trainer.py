@@ -115,6 +115,16 @@ class DistillationRun(TrainingRun):
         self._check_or_write_run_key()
         self.train_ids, self.val_ids = self._token_blocks()  # may sample from the whole teacher on rank 0
         self.sharded = sharding_on(self.options.sharding, self.dist)
+        self.teacher_cache = None
+        if self.recipe.loss.teacher_top_k is not None:
+            if self.sharded:
+                # A sharded teacher's forward is collective: every rank would have to miss together.
+                raise InputError("loss.teacher_top_k needs a replicated teacher: run with --sharding none")
+            from mlxkit.engines.distill.teacher_cache import TeacherLogitCache
+
+            self.teacher_cache = TeacherLogitCache(_source_key(self.teacher_source), self.recipe.loss.teacher_top_k,
+                                                   self.recipe.loss.temperature,
+                                                   str(self.placement.dtype).removeprefix("torch."))
         if self.sharded:
             shard_model(self.teacher, self.placement, trainable=False)
             gc.collect()
@@ -290,6 +300,8 @@ class DistillationRun(TrainingRun):
     def _piece_loss(self, ids: torch.Tensor, sums: torch.Tensor, cosine_count: int, predicted: int) -> torch.Tensor:
         """One micro-batch's share of the global-mean loss; adds its raw term sums to `sums`."""
         loss_spec = self.recipe.loss
+        if self.teacher_cache is not None:
+            return self._cached_piece_loss(ids, sums, predicted)
         teacher_layers = teacher_final = None
         if loss_spec.cosine_weight > 0 or loss_spec.kl_weight > 0:  # an LM-loss-only run never needs the teacher
             with torch.no_grad():
@@ -310,6 +322,19 @@ class DistillationRun(TrainingRun):
             sums[1] += terms.kl.detach().double()
             sums[2] += terms.nll.detach().double()
         return loss
+
+    def _cached_piece_loss(self, ids: torch.Tensor, sums: torch.Tensor, predicted: int) -> torch.Tensor:
+        """`_piece_loss` with the teacher's top-k log-probabilities from the cache (no cosine term)."""
+        from mlxkit.engines.distill.losses import cached_logit_term_sums
+
+        loss_spec = self.recipe.loss
+        top_logp, top_index = self.teacher_cache.top_k_for(self.teacher, ids)
+        _, student_final = decoder_states(self.student, ids)
+        terms = cached_logit_term_sums(student_final, top_logp, top_index, ids, self.student.get_output_embeddings(),
+                                       temperature=loss_spec.temperature, with_nll=loss_spec.lm_weight > 0)
+        sums[1] += terms.kl.detach().double()
+        sums[2] += terms.nll.detach().double()
+        return (loss_spec.kl_weight * terms.kl + loss_spec.lm_weight * terms.nll) / predicted
 
     def evaluate(self) -> dict[str, float]:
         from mlxkit.engines.eval.language_model import evaluate
@@ -349,6 +374,8 @@ class DistillationRun(TrainingRun):
                 "before": evals[0]["eval"], "after": evals[-1]["eval"],
                 "final_loss": records[-1].get("loss"),
                 "train_seconds": round(self.state.extra["train_seconds"], 3),
+                **({"teacher_cache": {"path": str(self.teacher_cache.path), "hits": self.teacher_cache.hits,
+                                      "misses": self.teacher_cache.misses}} if self.teacher_cache else {}),
                 "median_tokens_per_s": median([r["tokens_per_s"] for r in records if "tokens_per_s" in r])}
 
     # ------------------------------------------------------------------ save
