@@ -26,12 +26,13 @@ SHARED = REPO.parent / "shared" / "data"
 
 
 def run(mode: str, student: str, teacher: str, steps: int, batch: int, micro: int, seq_len: int,
-        work: Path) -> dict:
+        work: Path, extra: dict | None = None) -> dict:
     out = work / f"out-{mode}"
     settings = {"data.seq_len": seq_len, "optim.batch_sequences": batch, "optim.micro_batch_sequences": micro,
                 "schedule.eval_every": 10 ** 6, "schedule.checkpoint_every": 10 ** 6, "data.held_out_sequences": 1}
     if mode == "plain":
         settings.update({"loss.cosine_weight": 0, "loss.kl_weight": 0, "loss.lm_weight": 1})
+    settings.update(extra or {})
     command = [sys.executable, "-m", "mlxkit", "distill", "--gkd", "--teacher", teacher, "--student", student,
                "--data", str(SHARED / "wikitext2-valid.txt"), "--tokens", str(steps * batch * seq_len),
                "--out", str(out), "--quiet", *[f"--set={k}={v}" for k, v in settings.items()]]
