@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -151,11 +150,8 @@ def main() -> None:
     budgets = [int(t) for t in args.tokens.split(",")]
     (work / "logs").mkdir(parents=True, exist_ok=True)
     if not args.report:
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
         target, throughput = args.child.split("-")
-        calibration = quality.calibration_text(work)
-        quality.build_library(work, calibration)
-        quality.evaluate(work, quality.PARENT, "parent")
+        quality.prepare(work)
         quality.build_child(work, target, throughput, "puzzle")
         quality.evaluate(work, str(work / "children" / args.child / "puzzle"), f"{args.child}-puzzle")
         for tokens in budgets:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -61,10 +60,7 @@ def main() -> None:
     budgets = [int(b) for b in args.budgets.split(",")]
     (work / "logs").mkdir(parents=True, exist_ok=True)
     if not args.report:
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        calibration = quality.calibration_text(work)
-        quality.build_library(work, calibration)
-        quality.evaluate(work, quality.PARENT, "parent")
+        calibration = quality.prepare(work)
         child, _ = quality.build_child(work, target, throughput, "puzzle")
         quality.evaluate(work, str(child), f"{name}-puzzle")
         for tokens in budgets:

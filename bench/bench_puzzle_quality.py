@@ -89,6 +89,15 @@ def calibration_text(work: Path) -> Path:
     return path
 
 
+def prepare(work: Path) -> Path:
+    """The stages every Puzzle benchmark starts from: calibration text, block library, parent evaluation."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    calibration = calibration_text(work)
+    build_library(work, calibration)
+    evaluate(work, PARENT, "parent")
+    return calibration
+
+
 def build_library(work: Path, calibration: Path) -> dict:
     log("stage: block library (quick recipe, BLD on the calibration text)")
     library = cached(work / "library_summary.json", lambda: run_json(

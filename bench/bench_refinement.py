@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -101,10 +100,7 @@ def main() -> None:
     work = args.work.resolve()
     (work / "logs").mkdir(parents=True, exist_ok=True)
     if not args.report:
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        calibration = quality.calibration_text(work)
-        quality.build_library(work, calibration)
-        quality.evaluate(work, quality.PARENT, "parent")
+        quality.prepare(work)
         plain, refined = library_copy(work, "library-isolated"), library_copy(work, "library-refined")
         plan = [(t, "refined", 3) for t in args.refine_targets.split(",")] + \
                [(t, "corrected", 0) for t in args.predict_targets.split(",")]
