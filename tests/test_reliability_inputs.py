@@ -459,6 +459,9 @@ CASES = [
     ("crt-text-as-npz", lambda w: _crt(w, 16, _text_as(w, "fake.npz")), ["fake.npz", "zip"], ["pickle"]),
     # ---- resource bounds, before any allocation
     ("crt-hidden-billion", lambda w: _crt(w, 1_000_000_000), ["parameters", "needs at least", "this machine"], []),
+    ("gkd-micro-batch-beyond-memory", lambda w: ["distill", "--gkd", *_student_kd(w, [
+        "--set", "data.seq_len=256", "--set", "optim.batch_sequences=4000000",
+        "--set", "optim.micro_batch_sequences=4000000", "--out", OUT])], ["GKD", "needs at least", "this machine"], []),
     ("eval-seq-len-beyond", lambda w: ["eval", str(w["model"]), "--data", str(w["text"]), "--seq-len", "2048"],
      ["2048", "256"], []),
 ]

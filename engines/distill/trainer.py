@@ -101,6 +101,7 @@ class DistillationRun(TrainingRun):
         self.tokenizer = load_tokenizer(self.student_source)
         self._check_pair(teacher.model.config, teacher.tokenizer, student_config, self.tokenizer)
         self.trained_layers = self._trained_layers(student_config)
+        self._check_memory(teacher.model, student_config)
         self.teacher, self.teacher_source = teacher.model, teacher.source
         del teacher
         self.save_dtype = self.placement.save_dtype(source_dtype(self.student_source), self.options.save_dtype)
@@ -181,6 +182,35 @@ class DistillationRun(TrainingRun):
             if t.num_hidden_layers != s.num_hidden_layers:
                 raise InputError(f"the cosine hidden-state loss pairs layers: teacher has {t.num_hidden_layers}, "
                                  f"student {s.num_hidden_layers} (use --kd, or set loss.cosine_weight=0)")
+
+    def _check_memory(self, teacher, student_config) -> None:
+        """Refuse, before the student's weights are read, a run whose lower-bound memory exceeds the device's:
+        the teacher as loaded, the student's float32 weights with the gradients and AdamW moments of what
+        trains, one micro-batch's activations of the student, and the teacher's hidden states for the cosine."""
+        from transformers import AutoModelForCausalLM
+
+        from mlxkit.engines.training.budget import activation_bytes, check_fits, optimiser_bytes
+
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(student_config)
+        student = sum(p.numel() for p in skeleton.parameters())
+        if self.trained_layers is None:
+            trainable = student
+        else:
+            trainable = sum(p.numel() for i in self.trained_layers for p in skeleton.model.layers[i].parameters())
+        del skeleton
+        spec = self.recipe.optim
+        micro, seq_len = min(spec.micro_batch_sequences, spec.batch_sequences), self.recipe.data.seq_len
+        element = torch.finfo(self.placement.dtype).bits // 8
+        state = sum(p.numel() * p.element_size() for p in teacher.parameters()) + 4 * student + \
+            optimiser_bytes(trainable)
+        if sharding_on(self.options.sharding, self.dist):
+            state //= self.dist.world_size
+        hidden = getattr(student_config, "hidden_size", 0) * getattr(student_config, "num_hidden_layers", 0)
+        teacher_states = micro * seq_len * hidden * element if self.recipe.loss.cosine_weight > 0 else 0
+        need = state + activation_bytes(student_config, micro, seq_len, element) + teacher_states
+        check_fits(need, self.placement.device, f"{self.options.mode.upper()} of '{self.options.student}' against "
+                                                f"'{self.options.teacher}'")
 
     def _trained_layers(self, student_config) -> list[int] | None:
         """The decoder layers that train under `trainable: replaced_blocks` (None: every weight trains)."""
