@@ -287,7 +287,9 @@ def _solve(options: SearchOptions, library: BlockLibrary, library_path: Path, sh
         "target": profile.name, "scenario": scenario.to_dict(), "budgets": budgets.describe(), "caps": caps,
         "budgets_defaulted": defaulted, "library": str(library_path), "metric": options.metric,
         "costs": options.costs, "objective": best.objective, "status": best.status,
-        "objective_isolated": _isolated_sum(problem, best), "corrected": corrections is not None,
+        "objective_isolated": _isolated_sum(problem, best),
+        # Whether `objective` is a corrected estimate: the kept child was chosen with corrections in force.
+        "corrected": corrections is not None and (refinement is None or refinement["best_round"] > 0),
         "solve_time_s": round(solve_s, 3),
         "choices": [{"layer": i, "attention": c.attention.name, "ffn": c.ffn.name} for i, c in enumerate(choices)],
         "predicted": _predicted(best.totals, parent_stats, scenario, profile),
