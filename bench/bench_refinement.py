@@ -1,15 +1,14 @@
 """Does in-context refinement make the MIP's estimate hold, and does it pick a better child?
 
-On two copies of the quality benchmark's block library (so its own children are untouched):
+On copies of the quality benchmark's block library (so its own children are untouched):
 
 0. `isolated`: at every target, `mlx search --refine 0` on a copy that is never refined: the
    first solve on replace-1-block scores, as the search was before refinement.
-1. `refined`: `mlx search --refine 3` at each target in --refine-targets, in order. Each run
-   starts from the isolated scores, measures its children on the library's held-out tokens,
-   and leaves its corrections beside the library copy (the last run's stay).
-2. `corrected`: at each target in --predict-targets, a search on the corrected library with
-   `--refine 0`: one solve with the last refinement's corrections, no new measurement. Its corrected prediction is out of sample:
-   none of the measurements behind the corrections was of this child.
+1. `refined`: `mlx search --refine 3` at each target in --refine-targets, each on its own copy
+   of the library, where it leaves its corrections.
+2. `corrected-from-R`: at each target in --predict-targets, a search on refined target R's copy
+   with `--refine 0`: one solve with R's corrections, no new measurement. Its corrected
+   prediction is out of sample: none of the measurements behind the corrections was of this child.
 3. Every child is evaluated on wikitext-2 test (`mlx eval`, as the quality benchmark does),
    and measured on the library's held-out calibration tokens by the search itself.
 
@@ -64,7 +63,7 @@ def report(work: Path) -> str:
              "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for record in sorted((work / "children").glob("*/*.json")):
         name, label = record.parent.name, record.stem
-        if label not in ("isolated", "refined", "corrected"):
+        if not label.startswith(("isolated", "refined", "corrected")):
             continue
         info = json.loads(record.read_text())
         evaluation = work / "evals" / f"{name}-{label}.json"
@@ -101,16 +100,26 @@ def main() -> None:
     (work / "logs").mkdir(parents=True, exist_ok=True)
     if not args.report:
         quality.prepare(work)
-        plain, refined = library_copy(work, "library-isolated"), library_copy(work, "library-refined")
-        plan = [(t, "refined", 3) for t in args.refine_targets.split(",")] + \
-               [(t, "corrected", 0) for t in args.predict_targets.split(",")]
-        for spec, label, rounds in plan:
+        plain = library_copy(work, "library-isolated")
+        refine_targets = args.refine_targets.split(",")
+        predict_targets = args.predict_targets.split(",")
+        for spec in refine_targets + predict_targets:
             target, throughput = spec.split(":")
-            name = f"{target}-{throughput}"
-            for library, kind, count in ((plain, "isolated", 0), (refined, label, rounds)):
-                quality.log(f"stage: {name} {kind}")
-                out, _ = search(work, library, target, throughput, kind, count)
-                quality.evaluate(work, str(out), f"{name}-{kind}")
+            quality.log(f"stage: {target}-{throughput} isolated")
+            out, _ = search(work, plain, target, throughput, "isolated", 0)
+            quality.evaluate(work, str(out), f"{target}-{throughput}-isolated")
+        for source in refine_targets:
+            target, throughput = source.split(":")
+            refined = library_copy(work, f"library-refined-{target}-{throughput}")
+            quality.log(f"stage: {target}-{throughput} refined")
+            out, _ = search(work, refined, target, throughput, "refined", 3)
+            quality.evaluate(work, str(out), f"{target}-{throughput}-refined")
+            for spec in predict_targets:
+                p_target, p_throughput = spec.split(":")
+                label = f"corrected-from-{target}-{throughput}"
+                quality.log(f"stage: {p_target}-{p_throughput} {label}")
+                out, _ = search(work, refined, p_target, p_throughput, label, 0)
+                quality.evaluate(work, str(out), f"{p_target}-{p_throughput}-{label}")
     print(report(work))
 
 

@@ -15,7 +15,7 @@ from mlxkit.engines.puzzle import activations
 from mlxkit.engines.puzzle.assemble import child_from_blocks
 from mlxkit.engines.puzzle.block_init import initialise
 from mlxkit.engines.puzzle.mip import Group, Option, SearchProblem, Solver
-from mlxkit.engines.puzzle.refine import (REFINEMENT_FILE, ChildMeasurement, Corrections, measure_child, refine)
+from mlxkit.engines.puzzle.refine import ChildMeasurement, Corrections, measure_child, refine, refinement_file
 from mlxkit.engines.puzzle.subblocks import parent_subblock
 
 PARENT_ATTENTION, PARENT_FFN = AttentionVariant("gqa", 2), FFNVariant("mlp", 64)
@@ -39,7 +39,8 @@ def _blocks(parent, choices):
             tensors, states = activations.layer_states(parent.model.layers[layer], states, pos)
             h, mid = tensors["train_in"], tensors["train_mid"]
             out = states["train"]
-            for kind, variant, x, y in (("attention", choice.attention, h, mid - h), ("ffn", choice.ffn, mid, out - mid)):
+            for kind, variant, x, y in (("attention", choice.attention, h, mid - h),
+                                        ("ffn", choice.ffn, mid, out - mid)):
                 if variant not in (PARENT_ATTENTION, PARENT_FFN) and variant.kind != "no_op":
                     block = initialise(parent_subblock(parent, layer, kind), variant, parent.config, layer, x, y,
                                        dtype=torch.float32)
@@ -86,7 +87,7 @@ PARENTS = {(0, "attention"): "p", (1, "attention"): "p"}
 
 
 def test_corrected_scores_by_hand():
-    corrections = Corrections("kl_div", "t")
+    corrections = Corrections("kl_div", "t", "h100")
     measurement = ChildMeasurement(0.9, {(0, "attention"): 0.5, (1, "attention"): -0.01},
                                    {(0, "attention"): "a", (1, "attention"): "b"})
     corrections.update(measurement, isolated_sum=0.1 + 0.3)
@@ -112,8 +113,8 @@ def test_the_loop_measures_corrects_and_keeps_the_best_child(tmp_path):
         return ChildMeasurement(sum(base.values()) + interaction, contributions,
                                 {key: picks[key] for key in contributions})
 
-    result = refine(problem, lambda p: Solver.build(p).solve(caps), measure, PARENTS, Corrections("kl_div", "t"),
-                    max_rounds=4)
+    result = refine(problem, lambda p: Solver.build(p).solve(caps), measure, PARENTS,
+                    Corrections("kl_div", "t", "h100"), max_rounds=4)
     # Isolated scores pick (a, a): 0.29, which measures 1.29. Corrected, (p, b) is predicted at
     # 0.3 · 1.29 / 0.29 and measures 0.3; solved again with that, it is chosen again.
     assert solver.solve(caps).choices == result.rounds[0].choices
@@ -124,14 +125,14 @@ def test_the_loop_measures_corrects_and_keeps_the_best_child(tmp_path):
     assert result.solution.choices == result.rounds[1].choices
 
     written = result.corrections.write(tmp_path)
-    assert written.name == REFINEMENT_FILE
-    again = Corrections.read(tmp_path, "kl_div", "t")
+    assert written == refinement_file(tmp_path, "h100")
+    again = Corrections.read(tmp_path, "kl_div", "t", "h100")
     assert again is not None and again.in_context == result.corrections.in_context
-    assert Corrections.read(tmp_path, "kl_div", "other tokens") is None
-    assert Corrections.read(tmp_path, "lm_loss", "t") is None
-    (tmp_path / REFINEMENT_FILE).write_text(json.dumps({"format": 1, "metric": "kl_div", "tokens_hash": "t",
-                                                        "scale": "nan", "in_context": {}}))
-    assert Corrections.read(tmp_path, "kl_div", "t") is None
+    assert Corrections.read(tmp_path, "kl_div", "other tokens", "h100") is None
+    assert Corrections.read(tmp_path, "lm_loss", "t", "h100") is None
+    assert Corrections.read(tmp_path, "kl_div", "t", "cpu") is None  # never another target's
+    written.write_text(json.dumps({**result.corrections.to_json(), "scale": "nan"}))
+    assert Corrections.read(tmp_path, "kl_div", "t", "h100") is None
 
 
 def test_search_refines_in_context_and_later_solves_use_the_corrections(built_library, tmp_path):
@@ -163,12 +164,15 @@ def test_search_refines_in_context_and_later_solves_use_the_corrections(built_li
     for entry in refinement["rounds"]:
         assert entry["predicted_isolated"] == pytest.approx(isolated(entry["choices"]), rel=1e-6)
     assert payload["objective_isolated"] == pytest.approx(isolated(payload["choices"]), rel=1e-6)
-    assert (built_library / REFINEMENT_FILE).exists()
+    assert refinement_file(built_library, "h100").exists()
 
     dry = search("--dry-run")
     assert dry["corrected"] is True and "refinement" not in dry
     assert dry["objective_isolated"] == pytest.approx(isolated(dry["choices"]), rel=1e-6)
     plain = search("--dry-run", "--refine", "0")
     assert plain["corrected"] is True  # the corrections stay in use; --refine 0 only skips new measurements
+    other_target = CliRunner().invoke(app, ["search", "--target", "cpu", "--library", str(built_library),
+                                            "--throughput", "1.3x", "--dry-run", "--json"])
+    assert other_target.exit_code == 0 and json.loads(other_target.stdout)["corrected"] is False
     again = search("--out", str(tmp_path / "again"), "--refine", "3")  # refining starts from the isolated scores
     assert again["refinement"] == refinement and again["choices"] == payload["choices"]

@@ -10,9 +10,12 @@ has its isolated score scaled by how much the last child's KL exceeded its summe
 The corrected problem is solved again, and the loop stops when the choice repeats or after
 `max_rounds` measured children. The child with the lowest measured KL is kept.
 
-The corrections of the last refining search are written beside the library (`refinement.json`),
-keyed by the metric and the held-out tokens; searches on that library that do not refine (a
-`--dry-run`, a frontier, `--refine 0`) solve with them. A refining search always starts from
+The corrections of the last refining search for a hardware target are written beside the library
+(`refinement-<target>.json`), keyed by the metric and the held-out tokens; searches on that library
+for the same target that do not refine (a `--dry-run`, a frontier, `--refine 0`) solve with them.
+Another target's children replace other blocks (a CPU child prunes FFNs, an H100 child replaces
+attention), and corrections measured in one such context mislead the solve in the other, so
+they are never shared across targets. A refining search always starts from
 the isolated scores, so the same command gives the same child whatever ran before it.
 """
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -32,8 +36,7 @@ from mlxkit.engines.eval.metrics import kl_from_log_probs
 from mlxkit.engines.models.decilm.blocks import BlockChoice, ParentShape, parent_attention, parent_ffn
 from mlxkit.engines.puzzle.mip import Group, Option, SearchProblem, Solution
 
-REFINEMENT_FILE = "refinement.json"
-REFINEMENT_FORMAT = 1
+REFINEMENT_FORMAT = 2
 SubblockKey = tuple[int, str]  # (layer, "attention" | "ffn")
 
 
@@ -52,6 +55,7 @@ class Corrections:
 
     metric: str
     tokens_hash: str
+    target: str
     in_context: dict[str, float] = field(default_factory=dict)  # "layer:kind:option" -> Δ
     scale: float = 1.0  # KL(last child) / Σ its isolated scores
 
@@ -82,18 +86,18 @@ class Corrections:
 
     def to_json(self) -> dict[str, Any]:
         return {"format": REFINEMENT_FORMAT, "metric": self.metric, "tokens_hash": self.tokens_hash,
-                "scale": self.scale, "in_context": self.in_context}
+                "target": self.target, "scale": self.scale, "in_context": self.in_context}
 
     @classmethod
-    def read(cls, library_dir: Path, metric: str, tokens_hash: str) -> "Corrections | None":
-        """The corrections written beside a library for this metric and these held-out tokens, if any."""
-        path = Path(library_dir) / REFINEMENT_FILE
+    def read(cls, library_dir: Path, metric: str, tokens_hash: str, target: str) -> "Corrections | None":
+        """The corrections written beside a library for this metric, these held-out tokens and this target."""
+        path = refinement_file(library_dir, target)
         if not path.is_file():
             return None
         try:
             data = json.loads(path.read_text())
             if (data.get("format") != REFINEMENT_FORMAT or data.get("metric") != metric
-                    or data.get("tokens_hash") != tokens_hash):
+                    or data.get("tokens_hash") != tokens_hash or data.get("target") != target):
                 return None
             scale = float(data["scale"])
             in_context = {str(k): float(v) for k, v in dict(data["in_context"]).items()}
@@ -101,12 +105,17 @@ class Corrections:
             return None  # a damaged file is ignored: the isolated scores still stand
         if not math.isfinite(scale) or not all(math.isfinite(v) for v in in_context.values()):
             return None
-        return cls(metric, tokens_hash, in_context, scale)
+        return cls(metric, tokens_hash, target, in_context, scale)
 
     def write(self, library_dir: Path) -> Path:
-        path = Path(library_dir) / REFINEMENT_FILE
+        path = refinement_file(library_dir, self.target)
         atomic_write_json(path, self.to_json())
         return path
+
+
+def refinement_file(library_dir: Path, target: str) -> Path:
+    """Where the corrections for `target` (a hardware profile's name) live beside a library."""
+    return Path(library_dir) / f"refinement-{re.sub(r'[^A-Za-z0-9_.-]', '_', target)}.json"
 
 
 def tokens_hash(ids: torch.Tensor) -> str:

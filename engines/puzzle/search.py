@@ -42,7 +42,7 @@ from mlxkit.engines.puzzle.library_pricing import (LibraryCosts, library_problem
                                                    price_library, solution_block_choices, stored_costs)
 from mlxkit.engines.puzzle.library_schema import BlockLibrary
 from mlxkit.engines.puzzle.mip import SearchProblem, Solution, Solver, sweep_batch_sizes
-from mlxkit.engines.puzzle.refine import (ChildMeasurement, Corrections, RefinementResult, isolated_sum as _isolated_sum,
+from mlxkit.engines.puzzle.refine import (ChildMeasurement, Corrections, RefinementResult, isolated_sum,
                                           measure_child, refine, tokens_hash)
 from mlxkit.engines.training.device import Placement
 from mlxkit.engines.training.distributed import Distributed
@@ -247,7 +247,7 @@ def _solve(options: SearchOptions, library: BlockLibrary, library_path: Path, sh
     refining = bool(rounds) and held_out is not None
     # A refining search starts from the isolated scores, so that the same command gives the same child
     # whatever ran before it; a search that does not refine solves with the last refinement's corrections.
-    corrections = (Corrections.read(held_out.root, options.metric, held_out.tokens_hash)
+    corrections = (Corrections.read(held_out.root, options.metric, held_out.tokens_hash, profile.name)
                    if held_out is not None and not refining else None)
     parents = parent_choice_names(problem, shape)
     solved = corrections.corrected(problem, parents) if corrections is not None else problem
@@ -262,7 +262,7 @@ def _solve(options: SearchOptions, library: BlockLibrary, library_path: Path, sh
     refinement = None
     if refining:
         assert held_out is not None
-        corrections = Corrections(options.metric, held_out.tokens_hash)
+        corrections = Corrections(options.metric, held_out.tokens_hash, profile.name)
         outcome = refine(problem, lambda p: Solver.build(p).solve(caps), _child_measurer(held_out, placement,
                          options, reporter), parents, corrections, max_rounds=rounds, first=best)
         corrections.write(held_out.root)
@@ -287,7 +287,7 @@ def _solve(options: SearchOptions, library: BlockLibrary, library_path: Path, sh
         "target": profile.name, "scenario": scenario.to_dict(), "budgets": budgets.describe(), "caps": caps,
         "budgets_defaulted": defaulted, "library": str(library_path), "metric": options.metric,
         "costs": options.costs, "objective": best.objective, "status": best.status,
-        "objective_isolated": _isolated_sum(problem, best),
+        "objective_isolated": isolated_sum(problem, best),
         # Whether `objective` is a corrected estimate: the kept child was chosen with corrections in force.
         "corrected": corrections is not None and (refinement is None or refinement["best_round"] > 0),
         "solve_time_s": round(solve_s, 3),
