@@ -135,7 +135,8 @@ def test_cli_eval_without_data_samples_announces_and_caches(tiny_llama_dir, isol
 
 def test_sampled_rows_do_not_depend_on_what_was_asked_before(isolated_cache):
     """One pool serves every request: a small request then a large one gives the rows a large request alone
-    gives, shorter sequences are pieces of the same rows, and a model's Puzzle conversion shares the pool."""
+    gives, shorter and longer sequences are pieces and joins of the same rows, and a model's Puzzle
+    conversion shares the pool."""
     from conftest import make_char_tokenizer, make_tiny_llama
     from mlxkit.engines.data.sampled import ROWS_PER_BATCH, sample_tokens
     from mlxkit.engines.models.decilm.convert import from_parent
@@ -150,6 +151,8 @@ def test_sampled_rows_do_not_depend_on_what_was_asked_before(isolated_cache):
     assert torch.equal(alone, large)
     halves = sample_tokens(model, tokenizer, n_sequences=6, seq_len=32, seed=4)
     assert torch.equal(halves, large[:3].reshape(6, 32))
+    joined = sample_tokens(model, tokenizer, n_sequences=2, seq_len=512, seed=4)  # two 256-token rows each
+    assert torch.equal(joined, large[:16].reshape(2, 512))
     reporter = recording_reporter()
     converted = sample_tokens(from_parent(model).eval(), tokenizer, n_sequences=6, seq_len=32, seed=4,
                               reporter=reporter)

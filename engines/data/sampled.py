@@ -5,8 +5,10 @@ rows per (model weights, device type, dtype, row length, seed, temperature), cac
 The pool grows in seeded batches of `ROWS_PER_BATCH` rows, batch k drawn with a seed derived
 from (seed, k), so the rows are the same whatever was asked for before: a library build and
 the distillation after it in one `mlx search` share the rows, and only the rows the larger
-request needs beyond the other's are sampled. Requests for sequences shorter than a row take
-each row in pieces (a 512-token row serves two 256-token sequences).
+request needs beyond the other's are sampled. Rows are short (`POOL_ROW_TOKENS`), because
+generation costs one step per token of a row whatever the batch: a request for longer
+sequences joins consecutive rows (each starts at BOS, as packed documents do), one for
+shorter sequences cuts them.
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ from mlxkit.engines.core.progress import Reporter, TaskHandle
 from mlxkit.engines.core.seeds import derive_seed
 from mlxkit.engines.training.device import module_device, module_dtype
 
-SAMPLING_VERSION = 2
-POOL_ROW_TOKENS = 512  # a row serves every sequence length that divides it
-ROWS_PER_BATCH = 8     # rows generated together under one derived seed
+SAMPLING_VERSION = 3
+POOL_ROW_TOKENS = 256  # serves every sequence length that divides it or that it divides
+ROWS_PER_BATCH = 32    # rows generated together under one derived seed
 
 
 def model_fingerprint(model) -> str:
@@ -59,10 +61,10 @@ def _digest_tensors(digest, model) -> None:
 
 def pool_row_length(model, seq_len: int) -> int:
     """The pool row length that serves `seq_len`: `POOL_ROW_TOKENS` (or the model's positions, if fewer)
-    when `seq_len` divides it, else `seq_len` itself."""
+    when one of the two divides the other, else `seq_len` itself."""
     positions = getattr(model.config, "max_position_embeddings", None)
     row = min(POOL_ROW_TOKENS, positions) if isinstance(positions, int) and positions > 0 else POOL_ROW_TOKENS
-    return row if row >= seq_len and row % seq_len == 0 else seq_len
+    return row if row % seq_len == 0 or seq_len % row == 0 else seq_len
 
 
 def sample_tokens(model, tokenizer, *, n_sequences: int, seq_len: int, seed: int = 0,
@@ -74,7 +76,7 @@ def sample_tokens(model, tokenizer, *, n_sequences: int, seq_len: int, seed: int
     """
     reporter = reporter or Reporter()
     row_len = pool_row_length(model, seq_len)
-    rows_needed = math.ceil(n_sequences / (row_len // seq_len))
+    rows_needed = math.ceil(n_sequences * seq_len / row_len)
     device, dtype = module_device(model), module_dtype(model)
     key = (f"v{SAMPLING_VERSION}-{weights_fingerprint(model)}-{device.type}-{str(dtype).removeprefix('torch.')}"
            f"-row{row_len}-s{seed}-t{temperature}")
@@ -98,7 +100,7 @@ def sample_tokens(model, tokenizer, *, n_sequences: int, seq_len: int, seed: int
                 pool = torch.cat([pool[:batch * ROWS_PER_BATCH], rows])
                 with atomic_file(path) as tmp:  # after every batch: a killed run keeps what it sampled
                     torch.save(pool, tmp)
-    return pool[:rows_needed].reshape(-1, seq_len)[:n_sequences].clone()
+    return pool[:rows_needed].reshape(-1)[:n_sequences * seq_len].reshape(n_sequences, seq_len).clone()
 
 
 class _CountTokens:
