@@ -69,7 +69,7 @@ def report(work: Path) -> str:
         evaluation = work / "evals" / f"{name}-{label}.json"
         test = json.loads(evaluation.read_text()) if evaluation.exists() else {}
         isolated, speedup = info.get("objective_isolated"), info["predicted"]["speedup"]
-        corrected = info["objective"] if info.get("corrected") else None
+        corrected = info.get("estimate_corrected")
         measured = info.get("evaluation", {}).get("kl_div")
         refinement, rounds = info.get("refinement"), ""
         if refinement:

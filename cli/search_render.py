@@ -28,6 +28,9 @@ def render_search(result: dict, console: Console, quiet: bool = False) -> None:
         label = "predicted score (corrected in context)" if result.get("corrected") else "summed score"
         summary.add_row(label, f"{result['metric']} {_num(result['objective'])} ({result['status']}, "
                                f"solved in {result['solve_time_s']} s)")
+        if result.get("estimate_corrected") is not None and not result.get("refinement"):
+            summary.add_row("in-context estimate", f"{result['metric']} {_num(result['estimate_corrected'])} "
+                                                   "(this target's last refinement's corrections)")
         refinement = result.get("refinement")
         if refinement:
             for index, entry in enumerate(refinement["rounds"]):
@@ -77,10 +80,11 @@ def render_search(result: dict, console: Console, quiet: bool = False) -> None:
 def render_frontier(result: dict, console: Console) -> None:
     from collections import Counter
 
-    corrected = any(row.get("corrected") for row in result["frontier"])
-    estimate = "in-context corrected score" if corrected else "summed replace-1-block score"
+    corrected = any(row.get("estimate_corrected") is not None for row in result["frontier"])
+    estimate = "in-context corrected estimate" if corrected else "summed replace-1-block score"
     table = Table(title=f"Puzzle frontier on {result['target']} (predicted; {estimate})")
-    for column in ("target", "speedup", "memory MiB", "params (M)", "Σ score", "attention", "ffn"):
+    for column in ("target", "speedup", "memory MiB", "params (M)", "estimate" if corrected else "Σ score",
+                   "attention", "ffn"):
         table.add_column(column)
     for row in result["frontier"]:
         if "infeasible" in row:
@@ -89,7 +93,8 @@ def render_frontier(result: dict, console: Console) -> None:
         mix = {kind: " ".join(f"{name}×{n}" for name, n in Counter(c[kind] for c in row["choices"]).most_common())
                for kind in ("attention", "ffn")}
         table.add_row(row["throughput"], f"{row['speedup']:.3f}x", _num(row["memory_mib"], 1),
-                      _num((row["num_params"] or 0) / 1e6, 1), _num(row["objective"]), mix["attention"], mix["ffn"])
+                      _num((row["num_params"] or 0) / 1e6, 1),
+                      _num(row["estimate_corrected"] if corrected else row["objective"]), mix["attention"], mix["ffn"])
     console.print(table)
 
 

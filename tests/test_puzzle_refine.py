@@ -15,7 +15,8 @@ from mlxkit.engines.puzzle import activations
 from mlxkit.engines.puzzle.assemble import child_from_blocks
 from mlxkit.engines.puzzle.block_init import initialise
 from mlxkit.engines.puzzle.mip import Group, Option, SearchProblem, Solver
-from mlxkit.engines.puzzle.refine import ChildMeasurement, Corrections, measure_child, refine, refinement_file
+from mlxkit.engines.puzzle.refine import (ChildMeasurement, Corrections, measure_child, refine, refinement_file,
+                                          tokens_hash)
 from mlxkit.engines.puzzle.subblocks import parent_subblock
 
 PARENT_ATTENTION, PARENT_FFN = AttentionVariant("gqa", 2), FFNVariant("mlp", 64)
@@ -167,12 +168,23 @@ def test_search_refines_in_context_and_later_solves_use_the_corrections(built_li
     assert refinement_file(built_library, "h100").exists()
 
     dry = search("--dry-run")
-    assert dry["corrected"] is True and "refinement" not in dry
-    assert dry["objective_isolated"] == pytest.approx(isolated(dry["choices"]), rel=1e-6)
-    plain = search("--dry-run", "--refine", "0")
-    assert plain["corrected"] is True  # the corrections stay in use; --refine 0 only skips new measurements
+    assert dry["corrected"] is False and "refinement" not in dry
+    # the same choice the first round made (isolated scores), estimated with the corrections kept on disk
+    assert dry["choices"] == refinement["rounds"][0]["choices"]
+    assert dry["objective"] == pytest.approx(isolated(dry["choices"]), rel=1e-6)
+    corrections = Corrections.read(built_library, "kl_div", tokens_hash(
+        torch.load(built_library / ".work" / "tokens.pt", weights_only=True)["val"][:4]), "h100")
+    assert corrections is not None
+    def corrected_score(layer, kind, name):
+        score = library.layers[layer].entries(kind)[name].metrics["kl_div"]
+        if name in ("kv2", "ffn64"):  # the tiny parent's own variants keep their score
+            return score
+        return corrections.in_context.get(Corrections.key(layer, kind, name), score * corrections.scale)
+
+    by_hand = sum(corrected_score(c["layer"], kind, c[kind]) for c in dry["choices"] for kind in ("attention", "ffn"))
+    assert dry["estimate_corrected"] == pytest.approx(by_hand, rel=1e-6)
     other_target = CliRunner().invoke(app, ["search", "--target", "cpu", "--library", str(built_library),
                                             "--throughput", "1.3x", "--dry-run", "--json"])
-    assert other_target.exit_code == 0 and json.loads(other_target.stdout)["corrected"] is False
+    assert other_target.exit_code == 0 and json.loads(other_target.stdout)["estimate_corrected"] is None
     again = search("--out", str(tmp_path / "again"), "--refine", "3")  # refining starts from the isolated scores
     assert again["refinement"] == refinement and again["choices"] == payload["choices"]

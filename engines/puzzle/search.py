@@ -245,13 +245,14 @@ def _solve(options: SearchOptions, library: BlockLibrary, library_path: Path, sh
     held_out = _held_out_scoring(options, library, library_path, problem)
     rounds = options.refine if options.refine is not None else (3 if options.out is not None else 0)
     refining = bool(rounds) and held_out is not None
-    # A refining search starts from the isolated scores, so that the same command gives the same child
-    # whatever ran before it; a search that does not refine solves with the last refinement's corrections.
+    # Every search solves on the isolated scores first: a refining one then measures and corrects, so the
+    # same command gives the same child whatever ran before it; one that does not refine only estimates
+    # its child with this target's last corrections (measured: they predict a child's KL better than the
+    # isolated sum, but a solve on corrections from another budget's child can pick a worse child).
     corrections = (Corrections.read(held_out.root, options.metric, held_out.tokens_hash, profile.name)
                    if held_out is not None and not refining else None)
     parents = parent_choice_names(problem, shape)
-    solved = corrections.corrected(problem, parents) if corrections is not None else problem
-    solver = Solver.build(solved)
+    solver = Solver.build(problem)
     # Written before solving, so that an infeasible budget can be inspected too.
     written = _write_costs_and_lp(options, costs, solver, caps)
     min_distance = options.min_distance or max(1, round(0.2 * len(problem.layers)))
@@ -288,8 +289,9 @@ def _solve(options: SearchOptions, library: BlockLibrary, library_path: Path, sh
         "budgets_defaulted": defaulted, "library": str(library_path), "metric": options.metric,
         "costs": options.costs, "objective": best.objective, "status": best.status,
         "objective_isolated": isolated_sum(problem, best),
-        # Whether `objective` is a corrected estimate: the kept child was chosen with corrections in force.
-        "corrected": corrections is not None and (refinement is None or refinement["best_round"] > 0),
+        # The kept child's KL as this target's in-context corrections estimate it (None without any).
+        "estimate_corrected": isolated_sum(corrections.corrected(problem, parents), best) if corrections else None,
+        "corrected": refinement is not None and refinement["best_round"] > 0,  # chosen by a corrected solve
         "solve_time_s": round(solve_s, 3),
         "choices": [{"layer": i, "attention": c.attention.name, "ffn": c.ffn.name} for i, c in enumerate(choices)],
         "predicted": _predicted(best.totals, parent_stats, scenario, profile),
@@ -389,7 +391,8 @@ def search_frontier(options: SearchOptions, throughputs: list[str], reporter: Re
         rows.append({"throughput": throughput, "speedup": predicted["speedup"], "memory_mib": predicted["memory_mib"],
                      "num_params": predicted["num_params"], "objective": result["objective"],
                      "metric": result["metric"], "status": result["status"], "choices": result["choices"],
-                     "corrected": result["corrected"], "objective_isolated": result["objective_isolated"]})
+                     "estimate_corrected": result["estimate_corrected"],
+                     "objective_isolated": result["objective_isolated"]})
     return {"target": options.target, "frontier": rows}
 
 
