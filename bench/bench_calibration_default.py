@@ -83,6 +83,8 @@ def run_option(work: Path, option: str, gkd_tokens: int) -> None:
         ["search", "--library", str(library), "--target", "h100", "--throughput", "1.5x", "--refine", "0",
          "--out", str(child), "--overwrite"], work / "logs" / f"search-{option}.log"))
     quality.evaluate(work, str(child), f"{option}-child")
+    if not gkd_tokens:
+        return
     distilled = work / "children" / f"{option}-gkd{gkd_tokens}"
     quality.cached(work / "records" / f"gkd-{option}-{gkd_tokens}.json", lambda: quality.run_json(
         ["distill", "--gkd", "--teacher", quality.PARENT, "--student", str(child), "--data", str(text),
@@ -118,7 +120,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, default=quality.REPO / "runs" / "bench_calibration")
     parser.add_argument("--options", default=",".join(OPTIONS))
-    parser.add_argument("--gkd-tokens", type=int, default=8192)
+    parser.add_argument("--gkd-tokens", type=int, default=8192, help="0: the children before GKD only")
     parser.add_argument("--report", action="store_true", help="only print the table from what is done")
     args = parser.parse_args()
     work = args.work.resolve()

@@ -40,6 +40,8 @@ ATOMS: dict[str, list[str]] = {
     "lr1e-3": ["optim.lr=1e-3"],
     "t2": ["loss.temperature=2"],
     "freeze": ["trainable=replaced_blocks"],
+    # Training blocks from the budget's first tokens of the text only (how GKD read --data before).
+    "narrow": ["data.corpus_tokens=0"],
     # Twice the optimiser steps for the same tokens: 2 sequences of 512 a step instead of 4.
     "batch2": ["optim.batch_sequences=2", "optim.micro_batch_sequences=1"],
 }

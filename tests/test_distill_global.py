@@ -107,7 +107,7 @@ def test_gkd_lowers_held_out_kl_and_writes_a_loadable_child_with_its_log(pair, t
 
     child = AutoModelForCausalLM.from_pretrained(out).eval()
     teacher = AutoModelForCausalLM.from_pretrained(pair[0]).eval()
-    ids = tokenize(make_char_tokenizer(), read_texts(text_file), (STEPS * 4 + 2) * 32)
+    ids = tokenize(make_char_tokenizer(), read_texts(text_file), 1 << 24)  # data.corpus_tokens: the whole text
     _, val = split(pack(ids, 32), 2 / (ids.numel() // 32), 0)
     assert evaluate(child, val, reference=teacher).kl_div == pytest.approx(summary["after"]["kl_div"], rel=1e-4)
 
@@ -346,3 +346,20 @@ def test_teacher_cache_entries_are_the_teachers_top_k_at_the_temperature(pair, t
 def test_teacher_cache_refuses_the_cosine_term():
     with pytest.raises(RecipeError, match="teacher_top_k"):
         load_distill_recipe("gkd").with_overrides({"loss.teacher_top_k": 16, "loss.cosine_weight": 1.0})
+
+
+@pytest.mark.parametrize("corpus_tokens", [None, 0])
+def test_a_small_budget_draws_its_blocks_from_the_whole_corpus(pair, text_file, tmp_path, corpus_tokens):
+    from mlxkit.engines.data.text import pack, read_texts, tokenize
+    from mlxkit.engines.distill.trainer import DistillationRun
+
+    recipe = {} if corpus_tokens is None else {"data.corpus_tokens": corpus_tokens}
+    run = DistillationRun(_options(pair, text_file, tmp_path / "out", recipe=recipe))  # 6 steps of 4 x 32 tokens
+    try:
+        run.setup()
+        whole = pack(tokenize(run.tokenizer, read_texts(text_file), 1 << 24), 32).shape[0]
+        assert whole > 2 * (STEPS * 4 + 2)
+        expected = whole if corpus_tokens is None else STEPS * 4 + 2
+        assert run.train_ids.shape[0] + run.val_ids.shape[0] == expected
+    finally:
+        run.cleanup()

@@ -41,6 +41,10 @@ class LossSpec(_Strict):
 class DataSpec(_Strict):
     seq_len: int = Field(512, ge=2, le=1 << 20)
     held_out_sequences: int = Field(4, ge=1)
+    # Training blocks are drawn from the first this-many tokens of --data (at least the run's budget):
+    # a budget far below the corpus then still sees all of it, not only its first pages. Tokenised
+    # once into memory-mapped shards, so a larger span costs disk and one pass, not memory.
+    corpus_tokens: int = Field(1 << 24, ge=0)
 
 
 class ScheduleSpec(_Strict):

@@ -272,7 +272,7 @@ class DistillationRun(TrainingRun):
         from mlxkit.engines.data.token_shards import (TokenShards, build_token_shards, default_shard_root,
                                                       split_blocks)
 
-        limit = (needed + held_out) * self.seq_len
+        limit = max((needed + held_out) * self.seq_len, self.recipe.data.corpus_tokens)
         reference = self.work / "tokens.json"
         if self.dist.is_main and not reference.exists():
             shards = build_token_shards(self.options.data, self.tokenizer, default_shard_root(),
