@@ -36,6 +36,7 @@ ATOMS: dict[str, list[str]] = {
     "kl-only": ["loss.cosine_weight=0"],
     # The shipped loss already averages the cosine term over layers; this is the summed form.
     "cosine-summed": ["loss.cosine_weight=30"],
+    "lr1e-4": ["optim.lr=1e-4"],  # the shipped recipe's rate before this benchmark
     "lr3e-4": ["optim.lr=3e-4"],
     "lr1e-3": ["optim.lr=1e-3"],
     "t2": ["loss.temperature=2"],
