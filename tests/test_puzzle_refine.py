@@ -188,3 +188,24 @@ def test_search_refines_in_context_and_later_solves_use_the_corrections(built_li
     assert other_target.exit_code == 0 and json.loads(other_target.stdout)["estimate_corrected"] is None
     again = search("--out", str(tmp_path / "again"), "--refine", "3")  # refining starts from the isolated scores
     assert again["refinement"] == refinement and again["choices"] == payload["choices"]
+
+
+def test_a_library_calibrated_on_sampled_text_is_not_refined_unless_asked(tiny_llama_dir, tiny_recipe_file, tmp_path,
+                                                                          isolated_cache):
+    from typer.testing import CliRunner
+
+    from mlxkit.cli.main import app
+
+    runner = CliRunner()
+    library = tmp_path / "lib"
+    built = runner.invoke(app, ["distill", "--bld", "--model", str(tiny_llama_dir), "--recipe", str(tiny_recipe_file),
+                                "--out", str(library), "--quiet"])
+    assert built.exit_code == 0, built.output
+    search = ["search", "--target", "h100", "--library", str(library), "--throughput", "1.3x"]
+    default = runner.invoke(app, [*search, "--out", str(tmp_path / "a")])
+    assert default.exit_code == 0, default.output
+    assert "not refining by default" in default.stderr
+    payload = json.loads(runner.invoke(app, [*search, "--out", str(tmp_path / "b"), "--json"]).stdout)
+    assert "refinement" not in payload
+    forced = json.loads(runner.invoke(app, [*search, "--out", str(tmp_path / "c"), "--refine", "2", "--json"]).stdout)
+    assert len(forced["refinement"]["rounds"]) >= 1

@@ -244,6 +244,14 @@ def _solve(options: SearchOptions, library: BlockLibrary, library_path: Path, sh
     problem, caps = make(scenario.batch)
     held_out = _held_out_scoring(options, library, library_path, problem)
     rounds = options.refine if options.refine is not None else (3 if options.out is not None else 0)
+    sampled = library.calibration is not None and library.calibration.startswith("sampled")
+    if options.refine is None and rounds and sampled and held_out is not None:
+        # Measured: on text sampled from the parent, refining chose children that were better on that
+        # text and much worse on real text (BENCHMARKS.md, "In-context refinement").
+        rounds = 0
+        reporter.notice("not refining by default: the library was calibrated on text sampled from the parent, "
+                        "where refinement chose children worse on real text; --refine N forces it, and a "
+                        "library built with --data refines by default")
     refining = bool(rounds) and held_out is not None
     # Every search solves on the isolated scores first: a refining one then measures and corrects, so the
     # same command gives the same child whatever ran before it; one that does not refine only estimates
