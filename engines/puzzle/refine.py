@@ -130,19 +130,21 @@ def _log_probs(model, ids: torch.Tensor) -> torch.Tensor:
     return F.log_softmax(model(input_ids=ids, use_cache=False).logits[:, :-1].float(), dim=-1)
 
 
-def _swap(child_layer, parent_layer, kind: str) -> tuple[Any, Any]:
-    """Put the parent's `kind` subblock (and its norm) into `child_layer`; returns what was there."""
-    module, norm = ("self_attn", "input_layernorm") if kind == "attention" else ("mlp", "post_attention_layernorm")
-    saved = getattr(child_layer, module), getattr(child_layer, norm)
-    setattr(child_layer, module, getattr(parent_layer, module))
-    setattr(child_layer, norm, getattr(parent_layer, norm))
+# A decoder layer's attributes for each subblock kind: the module and the norm in front of it.
+_SUBBLOCK_ATTRIBUTES = {"attention": ("self_attn", "input_layernorm"), "ffn": ("mlp", "post_attention_layernorm")}
+
+
+def _swap(child_layer, source_layer, kind: str) -> tuple[Any, Any]:
+    """Put `source_layer`'s `kind` subblock (and its norm) into `child_layer`; returns what was there."""
+    saved = tuple(getattr(child_layer, name) for name in _SUBBLOCK_ATTRIBUTES[kind])
+    for name in _SUBBLOCK_ATTRIBUTES[kind]:
+        setattr(child_layer, name, getattr(source_layer, name))
     return saved
 
 
 def _restore(child_layer, kind: str, saved: tuple[Any, Any]) -> None:
-    module, norm = ("self_attn", "input_layernorm") if kind == "attention" else ("mlp", "post_attention_layernorm")
-    setattr(child_layer, module, saved[0])
-    setattr(child_layer, norm, saved[1])
+    for name, module in zip(_SUBBLOCK_ATTRIBUTES[kind], saved):
+        setattr(child_layer, name, module)
 
 
 @torch.inference_mode()

@@ -329,12 +329,20 @@ def _held_out_scoring(options: SearchOptions, library: BlockLibrary, library_pat
     library), no held-out tokens kept, or a bigger-is-better metric."""
     if not library.has_trained_blocks or problem.bigger_is_better:
         return None
-    root = LibraryDir(library_path if library_path.is_dir() else library_path.parent)
-    tokens_file = root.work / "tokens.pt"
+    val = _held_out_tokens(library_path, options.eval_sequences)
+    return None if val is None else _HeldOutScoring(_library_root(library_path).root, val, tokens_hash(val))
+
+
+def _library_root(library_path: Path) -> LibraryDir:
+    return LibraryDir(library_path if library_path.is_dir() else library_path.parent)
+
+
+def _held_out_tokens(library_path: Path, sequences: int) -> torch.Tensor | None:
+    """The first `sequences` held-out sequences the library was scored on (None where it kept none)."""
+    tokens_file = _library_root(library_path).work / "tokens.pt"
     if not tokens_file.exists():
         return None
-    val = torch.load(tokens_file, weights_only=True)["val"][:options.eval_sequences]
-    return _HeldOutScoring(root.root, val, tokens_hash(val))
+    return torch.load(tokens_file, weights_only=True)["val"][:sequences]
 
 
 def _child_measurer(held_out: _HeldOutScoring, placement: Placement, options: SearchOptions, reporter: Reporter):
@@ -540,10 +548,9 @@ def _evaluate_saved_child(child_dir: Path, library_path: Path, library: BlockLib
     from mlxkit.engines.models.loading import load_model
 
     assert library.parent is not None
-    tokens_file = LibraryDir(library_path if library_path.is_dir() else library_path.parent).work / "tokens.pt"
-    if not tokens_file.exists():
+    val = _held_out_tokens(library_path, options.eval_sequences)
+    if val is None:
         return {}
-    val = torch.load(tokens_file, weights_only=True)["val"][: options.eval_sequences]
     parent = load_model(library.parent.spec, dtype=placement.dtype, device=placement.device,
                         allow_pickle=options.allow_pickle, with_tokenizer=False, reporter=reporter).model
     child = load_model(str(child_dir), dtype=placement.dtype, device=placement.device, with_tokenizer=False,
@@ -570,7 +577,7 @@ def _build_child(options: SearchOptions, library_path: Path, library: BlockLibra
     from mlxkit.engines.puzzle.assemble import assemble_child
 
     assert library.parent is not None  # has_trained_blocks
-    root = LibraryDir(library_path if library_path.is_dir() else library_path.parent)
+    root = _library_root(library_path)
     parent_spec = library.parent.spec
     # Assembly and evaluation only run forwards: the parent is read into the compute dtype on the device.
     loaded = load_model(parent_spec, dtype=placement.dtype, device=placement.device, allow_pickle=options.allow_pickle,
@@ -581,11 +588,8 @@ def _build_child(options: SearchOptions, library_path: Path, library: BlockLibra
     child = assemble_child(parent, root, choices)
     n_params = sum(p.numel() for p in child.parameters())
 
-    tokens_file = root.work / "tokens.pt"
-    evaluation: dict[str, Any] = {}
-    if tokens_file.exists():
-        val = torch.load(tokens_file, weights_only=True)["val"][: options.eval_sequences].to(placement.device)
-        evaluation = _held_out_evaluation(child, parent, val, reporter)
+    val = _held_out_tokens(library_path, options.eval_sequences)
+    evaluation = {} if val is None else _held_out_evaluation(child, parent, val.to(placement.device), reporter)
 
     manifest = Manifest(verb="search", started=started)
     manifest.add_input("parent", parent_spec, loaded.source.path)
