@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 import threading
 from typing import Annotated, Any, Optional
 
@@ -125,9 +127,31 @@ def install_signal_handlers() -> None:
         signal.signal(signal.SIGTERM, _raise_terminated)
 
 
+def _exit_code(done: SystemExit) -> int:
+    if done.code is None or isinstance(done.code, int):
+        return done.code or 0
+    print(done.code, file=sys.stderr)  # sys.exit("message") prints the message and exits 1
+    return 1
+
+
 def main() -> None:
     install_signal_handlers()
-    app()
+    world = os.environ.get("WORLD_SIZE", "1").strip()
+    if not world.isdigit() or int(world) <= 1:
+        app()
+        return
+    # Under torchrun or accelerate every verb has left its process group and written its outputs by
+    # the time it returns. The interpreter's teardown after that can still abort a rank (gloo's C++
+    # threads meet static destructors: "terminate called without an active exception", exit -6),
+    # and the launcher then reports a finished run as failed. So a launched process ends here.
+    try:
+        app()
+        code = 0
+    except SystemExit as done:
+        code = _exit_code(done)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

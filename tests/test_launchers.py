@@ -114,3 +114,19 @@ def test_only_rank_zero_reports(monkeypatch, capsys):
     assert type(output.reporter) is Reporter  # the silent one
     output.emit({})
     assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("args, code, stream, text", [
+    (["--version"], 0, "stdout", "mlx"),
+    (["distill", "--kd", "--json"], 2, "stdout", "error"),
+    (["no-such-verb"], 2, "stderr", "no-such-verb"),
+])
+def test_a_launched_process_keeps_its_exit_code_and_output(args, code, stream, text):
+    # Under a launcher `main` ends the process itself once the verb returns: the exit code and
+    # everything printed must still come out.
+    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "1"}
+    done = subprocess.run([sys.executable, "-m", "mlxkit", *args], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == code, done.stderr
+    assert text in getattr(done, stream)
+    assert "Traceback" not in done.stderr

@@ -62,6 +62,16 @@ def _driver(tmp_path: Path) -> Path:
         from mlxkit.engines.distill.trainer import DistillationOptions, DistillationRun
         spec = json.loads(sys.argv[1])
         reports = Path(spec.pop("reports"))
+
+        import gc
+        import torch.distributed as dist
+        from torch.distributed.fsdp import FSDPModule
+        destroy = dist.destroy_process_group
+        def counting_destroy(*args, **kwargs):  # how many sharded modules still hold the group it destroys
+            alive = sum(isinstance(o, FSDPModule) for o in gc.get_objects())
+            (reports / f"destroy{{dist.get_rank()}}.json").write_text(json.dumps({{"fsdp_modules": alive}}))
+            return destroy(*args, **kwargs)
+        dist.destroy_process_group = counting_destroy
         recipe = load_distill_recipe("kd").with_overrides(spec.pop("recipe"))
         run = DistillationRun(DistillationOptions(mode="kd", recipe=recipe, out=Path(spec.pop("out")),
                                                   data=Path(spec.pop("data")), **spec))
@@ -101,6 +111,9 @@ def test_sharded_and_replicated_kd_over_two_processes_match_one(pair, text_file,
         if sharding == "auto":
             # Each rank holds half of every parameter (dim 0 split in two; every dim 0 here is even).
             assert all(r["sharded"] and r["local_parameters"] == full // 2 for r in reports)
+            # No sharded module outlives the process group into the interpreter's exit.
+            at_destroy = [json.loads(f.read_text()) for f in sorted((tmp_path / "auto-reports").glob("destroy*.json"))]
+            assert at_destroy == [{"fsdp_modules": 0}] * 2
         else:
             assert all(not r["sharded"] and r["local_parameters"] == full for r in reports)
         assert _close(_weights(single), _weights(out)), sharding

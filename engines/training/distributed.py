@@ -8,6 +8,8 @@ that builds a library, then distils a child) keeps one group from start to end.
   that device; every tensor handed to a collective is on it.
 * CPU: gloo. torchrun sets `OMP_NUM_THREADS=1` for every rank; here each rank instead takes
   the machine's cores divided by the ranks on this node (`MLXKIT_THREADS` overrides).
+* `close()` collects the garbage that still holds the group before destroying it, so no
+  sharded module outlives the group into the interpreter's exit.
 * The group's timeout is explicit (`MLXKIT_DIST_TIMEOUT` seconds, default 2 hours): long
   enough for the stages rank 0 runs alone while the others wait at a barrier.
 
@@ -145,9 +147,15 @@ class Distributed:
 
     def close(self) -> None:
         if self.initialised_here:
+            import gc
+
             import torch.distributed as dist
 
             self.barrier()
+            # FSDP2 modules sit in reference cycles whose device meshes hold the group; left for the
+            # interpreter's exit, gloo's group is destroyed during teardown, which can abort the process
+            # ("terminate called without an active exception") after a finished run.
+            gc.collect()
             dist.destroy_process_group()
             self.initialised_here = False
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from mlxkit.engines.core.progress import Reporter
 from mlxkit.engines.errors import InputError
 from mlxkit.engines.training.device import Placement
@@ -84,5 +86,9 @@ class TrainingRun(ABC):
             self.cleanup()
 
     def cleanup(self) -> None:
-        """Leave the process group (when this run joined it); every rank meets the others here."""
+        """Drop the run's models and optimiser, then leave the process group (when this run joined it);
+        every rank meets the others here. The models go first: sharded ones hold the group."""
+        for name, value in list(vars(self).items()):
+            if isinstance(value, (torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler)):
+                delattr(self, name)
         self.dist.close()
