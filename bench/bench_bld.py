@@ -29,7 +29,7 @@ def run(args: list[str]) -> float:
 
 
 def kl_table(library: Path) -> dict[tuple[int, str, str], tuple[str | None, float]]:
-    from mlxkit.engines.puzzle.library import read_library
+    from mlxkit.engines.puzzle.library.store import read_library
 
     return {(layer.layer, kind, name): (item.source, item.metrics["kl_div"])
             for layer in read_library(library).layers for kind in ("attention", "ffn")

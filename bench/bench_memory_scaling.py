@@ -123,7 +123,7 @@ def command_for(name: str, size: str, work: Path) -> list[str]:
     if name == "bldr":
         recipe = work / "bld-recipe.yaml"
         recipe.write_text(BLD_RECIPE)
-        code = ("import sys; from pathlib import Path; from mlxkit.engines.puzzle.distill import DistillOptions, "
+        code = ("import sys; from pathlib import Path; from mlxkit.engines.puzzle.library.build import DistillOptions, "
                 "run_distill; from mlxkit.engines.puzzle.recipe import load_recipe; "
                 "run_distill(DistillOptions(model=sys.argv[1], out=Path(sys.argv[2]), recipe=load_recipe(sys.argv[3]), "
                 "data=Path(sys.argv[4]), device='cpu', stream=False))")

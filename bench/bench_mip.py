@@ -22,7 +22,7 @@ from mlxkit.engines.hardware.costs import CostModel
 from mlxkit.engines.hardware.profile import load_profile
 from mlxkit.engines.hardware.scenario import Scenario
 from mlxkit.engines.models.decilm.blocks import AttentionVariant, BlockChoice, FFNVariant, ParentShape
-from mlxkit.engines.puzzle.mip import Group, Option, SearchProblem, Solver
+from mlxkit.engines.puzzle.search.mip import Group, Option, SearchProblem, Solver
 
 LLAMA70B = ParentShape(8192, 80, 64, 8, 128, 28672, 128256, False)
 ATTENTION = [AttentionVariant("gqa", n) for n in (8, 4, 2, 1)] + [AttentionVariant("linear"), AttentionVariant("no_op")]

@@ -120,7 +120,7 @@ def layer_importance(work: Path) -> list[float]:
 
         from mlxkit.engines.models.decilm.convert import from_parent
         from mlxkit.engines.models.loading import load_model
-        from mlxkit.engines.puzzle.baselines import angular_distances
+        from mlxkit.engines.puzzle.search.baselines import angular_distances
 
         parent = from_parent(load_model(PARENT).model)
         parent.config._attn_implementation = "sdpa"
@@ -139,8 +139,8 @@ def build_baseline(work: Path, target: str, throughput: str, method: str, out: P
     from mlxkit.engines.models.decilm.convert import from_parent
     from mlxkit.engines.models.loading import load_model
     from mlxkit.engines.models.saving import save_model
-    from mlxkit.engines.puzzle.baselines import build_initialised_child, layer_drop_choices, uniform_choices
-    from mlxkit.engines.puzzle.budgets import Throughput
+    from mlxkit.engines.puzzle.search.baselines import build_initialised_child, layer_drop_choices, uniform_choices
+    from mlxkit.engines.puzzle.search.budgets import Throughput
 
     loaded = load_model(PARENT)
     parent = from_parent(loaded.model)

@@ -51,7 +51,7 @@ def distill_command(
     quiet: QuietOpt = False,
     verbose: VerboseOpt = False,
 ) -> None:
-    from mlxkit.engines.puzzle.distill import DistillOptions, run_distill
+    from mlxkit.engines.puzzle.library.build import DistillOptions, run_distill
     from mlxkit.engines.puzzle.recipe import load_recipe
 
     if bld + gkd + kd != 1:

@@ -58,7 +58,7 @@ def search_command(
     verbose: VerboseOpt = False,
 ) -> None:
     from mlxkit.cli.search_render import render_costs, render_frontier, render_search
-    from mlxkit.engines.puzzle.search import SearchOptions, costs_only as price_only, run_search, search_frontier
+    from mlxkit.engines.puzzle.search.run import SearchOptions, costs_only as price_only, run_search, search_frontier
 
     check_placement(device, dtype, save_dtype)
     output = Output(json_out, quiet, verbose)

@@ -199,7 +199,7 @@ def built_library(tiny_llama_dir, text_file, tiny_recipe_file, tmp_path) -> Path
 def tiny_layer0_states(n: int = 6, seq_len: int = 24):
     """A converted tiny parent and its layer-0 residual states on seeded random ids: (parent, pos, h, mid, out)."""
     from mlxkit.engines.models.decilm.convert import from_parent
-    from mlxkit.engines.puzzle import activations
+    from mlxkit.engines.puzzle.library import activations
 
     parent = from_parent(make_tiny_llama())
     parent.config._attn_implementation = "sdpa"

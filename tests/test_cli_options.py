@@ -74,7 +74,7 @@ def _capture(monkeypatch, module: str, name: str, result: dict) -> list:
 
 
 def test_search_set_and_gkd_set_are_one_option(monkeypatch, tmp_path):
-    seen = _capture(monkeypatch, "mlxkit.engines.puzzle.search", "run_search", {"ok": True})
+    seen = _capture(monkeypatch, "mlxkit.engines.puzzle.search.run", "run_search", {"ok": True})
     result = runner.invoke(app, ["search", "--target", "cpu", "--out", str(tmp_path / "c"), "--gkd-set",
                                  "optim.lr=0.001", "--set", "data.seq_len=32", "--device", "cpu", "--dtype",
                                  "bfloat16", "--save-dtype", "float16", "--json"])
@@ -86,7 +86,7 @@ def test_search_set_and_gkd_set_are_one_option(monkeypatch, tmp_path):
 
 
 def test_search_defaults_are_auto(monkeypatch, tmp_path):
-    seen = _capture(monkeypatch, "mlxkit.engines.puzzle.search", "run_search", {})
+    seen = _capture(monkeypatch, "mlxkit.engines.puzzle.search.run", "run_search", {})
     assert runner.invoke(app, ["search", "--target", "cpu", "--out", str(tmp_path / "c"), "--json"]).exit_code == 0
     options = seen[0][0]
     assert (options.device, options.dtype, options.save_dtype) == ("auto", "auto", None)
@@ -111,7 +111,7 @@ def test_distill_passes_placement_and_set(monkeypatch, tmp_path, text_file):
 
 
 def test_distill_bld_passes_placement(monkeypatch, tmp_path):
-    seen = _capture(monkeypatch, "mlxkit.engines.puzzle.distill", "run_distill", {"done": 1})
+    seen = _capture(monkeypatch, "mlxkit.engines.puzzle.library.build", "run_distill", {"done": 1})
     result = runner.invoke(app, ["distill", "--bld", "--out", str(tmp_path / "lib"), "--device", "cpu", "--dtype",
                                  "bf16", "--json"])
     assert result.exit_code == 0, result.output

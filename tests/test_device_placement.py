@@ -28,9 +28,10 @@ from mlxkit.engines.distill.losses import cosine_distance_sum, logit_term_sums
 from mlxkit.engines.eval.metrics import kl_per_position
 from mlxkit.engines.models.decilm.blocks import AttentionVariant, BlockChoice, FFNVariant
 from mlxkit.engines.models.decilm.convert import from_parent
-from mlxkit.engines.puzzle import activations, assemble
-from mlxkit.engines.puzzle.block_init import initialise, kv_head_groups, least_squares_map
-from mlxkit.engines.puzzle.scoring import ParentTail, replaced_log_probs
+from mlxkit.engines.puzzle.library import activations
+from mlxkit.engines.puzzle.search import assemble
+from mlxkit.engines.puzzle.library.block_init import initialise, kv_head_groups, least_squares_map
+from mlxkit.engines.puzzle.library.scoring import ParentTail, replaced_log_probs
 from mlxkit.engines.puzzle.subblocks import parent_subblock
 
 DEVICE = torch.device("meta")  # stands in for the GPU: not the CPU, and mixing the two raises

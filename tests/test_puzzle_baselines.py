@@ -12,7 +12,7 @@ from mlxkit.engines.hardware.costs import CostModel
 from mlxkit.engines.hardware.profile import load_profile
 from mlxkit.engines.models.decilm.blocks import AttentionVariant, BlockChoice, FFNVariant, ParentShape
 from mlxkit.engines.models.decilm.convert import from_parent
-from mlxkit.engines.puzzle.baselines import angular_distances, layer_drop_choices, uniform_choices
+from mlxkit.engines.puzzle.search.baselines import angular_distances, layer_drop_choices, uniform_choices
 
 
 def _hf_layer_states(model, ids):
@@ -94,9 +94,9 @@ def test_uniform_pruning_says_when_no_uniform_child_reaches_the_target():
 
 def test_an_initialised_uniform_child_carries_the_initialised_blocks(built_library, tiny_llama_dir, tmp_path):
     from mlxkit.engines.models.loading import load_model
-    from mlxkit.engines.puzzle import activations
-    from mlxkit.engines.puzzle.baselines import build_initialised_child
-    from mlxkit.engines.puzzle.block_init import initialise
+    from mlxkit.engines.puzzle.library import activations
+    from mlxkit.engines.puzzle.search.baselines import build_initialised_child
+    from mlxkit.engines.puzzle.library.block_init import initialise
     from mlxkit.engines.puzzle.subblocks import parent_subblock
 
     parent = from_parent(load_model(str(tiny_llama_dir)).model)

@@ -17,10 +17,10 @@ from safetensors import safe_open
 from conftest import TINY_PUZZLE_RECIPE, make_char_tokenizer, make_tiny_llama, tiny_layer0_states
 from mlxkit.engines.errors import InputError
 from mlxkit.engines.models.decilm.blocks import FFNVariant
-from mlxkit.engines.puzzle.block_init import initialise
-from mlxkit.engines.puzzle.bld import train_subblock
-from mlxkit.engines.puzzle.distill import DistillOptions, run_distill
-from mlxkit.engines.puzzle.library import LibraryDir, read_library
+from mlxkit.engines.puzzle.library.block_init import initialise
+from mlxkit.engines.puzzle.library.bld import train_subblock
+from mlxkit.engines.puzzle.library.build import DistillOptions, run_distill
+from mlxkit.engines.puzzle.library.store import LibraryDir, read_library
 from mlxkit.engines.puzzle.recipe import BLDSpec, load_recipe
 from mlxkit.engines.puzzle.subblocks import parent_subblock
 

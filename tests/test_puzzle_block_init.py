@@ -6,8 +6,8 @@ import torch
 
 from conftest import tiny_layer0_states
 from mlxkit.engines.models.decilm.blocks import AttentionVariant, FFNVariant
-from mlxkit.engines.puzzle.bld import normalized_mse
-from mlxkit.engines.puzzle.block_init import initialise, kv_head_groups, least_squares_map
+from mlxkit.engines.puzzle.library.bld import normalized_mse
+from mlxkit.engines.puzzle.library.block_init import initialise, kv_head_groups, least_squares_map
 from mlxkit.engines.puzzle.subblocks import parent_subblock
 
 

@@ -11,7 +11,7 @@ from mlxkit.engines.hardware.costs import MIB, CostModel, price_variants
 from mlxkit.engines.hardware.profile import HardwareProfile, available_profiles, load_profile
 from mlxkit.engines.hardware.scenario import Scenario
 from mlxkit.engines.models.decilm.blocks import AttentionVariant, BlockChoice, FFNVariant, ParentShape
-from mlxkit.engines.puzzle.budgets import Budgets, Throughput, parse_count, parse_memory_mib, parse_time_ms
+from mlxkit.engines.puzzle.search.budgets import Budgets, Throughput, parse_count, parse_memory_mib, parse_time_ms
 
 LLAMA70B = ParentShape(hidden_size=8192, num_layers=80, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
                        intermediate_size=28672, vocab_size=128256, tie_word_embeddings=False)

@@ -20,11 +20,11 @@ from mlxkit.cli.main import app
 from mlxkit.engines.models.decilm.blocks import AttentionVariant, BlockChoice, FFNVariant, ParentShape
 from mlxkit.engines.models.decilm.convert import from_parent
 from mlxkit.engines.models.loading import load_model
-from mlxkit.engines.puzzle import activations
-from mlxkit.engines.puzzle.assemble import assemble_child
-from mlxkit.engines.puzzle.block_init import initialise
-from mlxkit.engines.puzzle.bld import normalized_mse, train_subblock
-from mlxkit.engines.puzzle.library import LibraryDir, read_library
+from mlxkit.engines.puzzle.library import activations
+from mlxkit.engines.puzzle.search.assemble import assemble_child
+from mlxkit.engines.puzzle.library.block_init import initialise
+from mlxkit.engines.puzzle.library.bld import normalized_mse, train_subblock
+from mlxkit.engines.puzzle.library.store import LibraryDir, read_library
 from mlxkit.engines.puzzle.recipe import BLDSpec
 from mlxkit.engines.puzzle.subblocks import parent_subblock
 

@@ -14,12 +14,12 @@ from mlxkit.engines.hardware.costs import CostModel
 from mlxkit.engines.hardware.profile import load_profile
 from mlxkit.engines.hardware.scenario import Scenario
 from mlxkit.engines.models.decilm.blocks import AttentionVariant, FFNVariant, ParentShape
-from mlxkit.engines.puzzle.library import read_library, write_library
-from mlxkit.engines.puzzle.library_pricing import (library_problem, parent_totals, price_library,
+from mlxkit.engines.puzzle.library.store import read_library, write_library
+from mlxkit.engines.puzzle.search.pricing import (library_problem, parent_totals, price_library,
                                                    solution_block_choices, stored_costs)
-from mlxkit.engines.puzzle.library_schema import BlockLibrary
-from mlxkit.engines.puzzle.mip import Solver
-from mlxkit.engines.puzzle.nvlabs_library import block_choice, split_variant_name
+from mlxkit.engines.puzzle.library.schema import BlockLibrary
+from mlxkit.engines.puzzle.search.mip import Solver
+from mlxkit.engines.puzzle.library.nvlabs import block_choice, split_variant_name
 
 FIXTURE = Path(__file__).parent / "fixtures" / "nvlabs_library_small.json"
 

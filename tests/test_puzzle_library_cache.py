@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from conftest import TINY_PUZZLE_RECIPE, make_tiny_llama, recording_reporter, save_with_tokenizer
-from mlxkit.engines.puzzle import distill
-from mlxkit.engines.puzzle.distill import default_library_dir, ensure_library
+from mlxkit.engines.puzzle.library import build
+from mlxkit.engines.puzzle.library.build import default_library_dir, ensure_library
 
 
 
@@ -51,7 +51,7 @@ def test_the_same_inputs_reuse_the_built_library(tiny_llama_dir, tiny_recipe_fil
     def refuse(*args, **kwargs):
         raise AssertionError("the library was rebuilt")
 
-    monkeypatch.setattr(distill, "run_distill", refuse)
+    monkeypatch.setattr(build, "run_distill", refuse)
     again = recording_reporter()
     assert ensure_library(str(tiny_llama_dir), str(tiny_recipe_file), data=text_file, seed=0, device="cpu",
                           reporter=again) == path

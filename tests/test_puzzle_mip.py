@@ -11,8 +11,8 @@ import pytest
 
 from conftest import lp_terms
 from mlxkit.engines.errors import InfeasibleError, InputError
-from mlxkit.engines.puzzle.budgets import Budgets
-from mlxkit.engines.puzzle.mip import (Group, Option, SearchProblem, Solver, SolverWarning, decoupled_problem, solve,
+from mlxkit.engines.puzzle.search.budgets import Budgets
+from mlxkit.engines.puzzle.search.mip import (Group, Option, SearchProblem, Solver, SolverWarning, decoupled_problem, solve,
                                        sweep_batch_sizes)
 
 STATS = ("memory_mib", "runtime_ms", "num_params")

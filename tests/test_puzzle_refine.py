@@ -11,11 +11,11 @@ from conftest import make_tiny_llama
 from mlxkit.engines.eval.language_model import evaluate
 from mlxkit.engines.models.decilm.blocks import AttentionVariant, BlockChoice, FFNVariant
 from mlxkit.engines.models.decilm.convert import from_parent
-from mlxkit.engines.puzzle import activations
-from mlxkit.engines.puzzle.assemble import child_from_blocks
-from mlxkit.engines.puzzle.block_init import initialise
-from mlxkit.engines.puzzle.mip import Group, Option, SearchProblem, Solver
-from mlxkit.engines.puzzle.refine import (ChildMeasurement, Corrections, measure_child, refine, refinement_file,
+from mlxkit.engines.puzzle.library import activations
+from mlxkit.engines.puzzle.search.assemble import child_from_blocks
+from mlxkit.engines.puzzle.library.block_init import initialise
+from mlxkit.engines.puzzle.search.mip import Group, Option, SearchProblem, Solver
+from mlxkit.engines.puzzle.search.refine import (ChildMeasurement, Corrections, measure_child, refine, refinement_file,
                                           tokens_hash)
 from mlxkit.engines.puzzle.subblocks import parent_subblock
 
@@ -140,7 +140,7 @@ def test_search_refines_in_context_and_later_solves_use_the_corrections(built_li
     from typer.testing import CliRunner
 
     from mlxkit.cli.main import app
-    from mlxkit.engines.puzzle.library import read_library
+    from mlxkit.engines.puzzle.library.store import read_library
 
     def search(*args):
         result = CliRunner().invoke(app, ["search", "--target", "h100", "--library", str(built_library),

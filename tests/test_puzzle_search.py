@@ -19,7 +19,7 @@ from mlxkit.cli.main import app
 from mlxkit.engines.hardware.costs import CostModel
 from mlxkit.engines.hardware.profile import load_profile
 from mlxkit.engines.models.decilm.blocks import AttentionVariant, FFNVariant
-from mlxkit.engines.puzzle.library import LibraryDir, read_library
+from mlxkit.engines.puzzle.library.store import LibraryDir, read_library
 
 runner = CliRunner()
 
@@ -275,10 +275,10 @@ def test_export_options_are_checked_before_any_work(args, message, tmp_path):
 
 def test_a_parent_the_export_format_cannot_hold_fails_before_the_library_is_built(tmp_path, monkeypatch):
     from conftest import make_tiny_llama, save_with_tokenizer
-    from mlxkit.engines.puzzle import distill
+    from mlxkit.engines.puzzle.library import build
 
     parent = save_with_tokenizer(make_tiny_llama(head_dim=16), tmp_path / "parent")  # not hidden / heads
-    monkeypatch.setattr(distill, "run_distill", lambda *a, **k: pytest.fail("the library build started"))
+    monkeypatch.setattr(build, "run_distill", lambda *a, **k: pytest.fail("the library build started"))
     result = runner.invoke(app, ["search", "--model", str(parent), "--target", "h100", "--export", "nemotron-nas",
                                  "--out", str(tmp_path / "child")])
     assert result.exit_code == 2 and "Nemotron-NAS derives head_dim" in result.output

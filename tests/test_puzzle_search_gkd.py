@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 import mlxkit  # noqa: F401
 from mlxkit.cli.main import app
 from mlxkit.engines.distill.trainer import DistillationRun, work_dir_for
-from mlxkit.engines.puzzle.search import search_work_dir
+from mlxkit.engines.puzzle.search.run import search_work_dir
 
 runner = CliRunner()
 GKD = ["--gkd-set", "data.seq_len=32", "--gkd-set", "data.held_out_sequences=2", "--gkd-set",

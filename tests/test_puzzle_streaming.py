@@ -15,8 +15,8 @@ from conftest import make_char_tokenizer, make_tiny_llama, recording_reporter, s
 from mlxkit.engines.data.sampled import model_fingerprint
 from mlxkit.engines.models.decilm.convert import ResidentParent, StreamedParent, from_parent
 from mlxkit.engines.models.loading import load_config, load_model
-from mlxkit.engines.puzzle import activations, distill, scoring
-from mlxkit.engines.puzzle.distill import DistillOptions, run_distill
+from mlxkit.engines.puzzle.library import activations, build, scoring
+from mlxkit.engines.puzzle.library.build import DistillOptions, run_distill
 from mlxkit.engines.puzzle.recipe import load_recipe
 from mlxkit.engines.training.device import Placement
 
@@ -55,7 +55,7 @@ class _LayerWatch:
     def __init__(self, monkeypatch) -> None:
         self.most_held, self.whole_loads = 0, 0
         hold = StreamedParent.hold
-        load = distill._load_parent
+        load = build._load_parent
 
         def watched_hold(parent, index):
             with hold(parent, index) as layer:
@@ -68,7 +68,7 @@ class _LayerWatch:
 
         import contextlib
         monkeypatch.setattr(StreamedParent, "hold", contextlib.contextmanager(watched_hold))
-        monkeypatch.setattr(distill, "_load_parent", counted_load)
+        monkeypatch.setattr(build, "_load_parent", counted_load)
 
 
 @pytest.fixture
@@ -121,8 +121,8 @@ def test_streamed_parent_reads_the_converted_parents_tensors(family, dtype, tmp_
     assert torch.equal(streamed.model.model.rotary_emb.inv_freq, whole.model.rotary_emb.inv_freq)
     # The run key's fingerprint, read from the files, is the resident parent's.
     whole.config._attn_implementation = streamed.config._attn_implementation
-    assert distill._parent_fingerprint(streamed) == model_fingerprint(whole)
-    assert distill._parent_fingerprint(ResidentParent(whole)) == model_fingerprint(whole)
+    assert build._parent_fingerprint(streamed) == model_fingerprint(whole)
+    assert build._parent_fingerprint(ResidentParent(whole)) == model_fingerprint(whole)
 
 
 def test_a_killed_cache_recomputes_only_the_unfinished_layers(deep_parent, tiny_recipe_file, text_file, tmp_path,
@@ -191,7 +191,7 @@ def test_a_parent_without_safetensors_is_held_whole(tmp_path):
     notices = recording_reporter()
     options = DistillOptions(model=str(path), out=tmp_path / "lib", recipe=load_recipe("quick"), allow_pickle=True,
                              device="cpu")
-    parent, layers, _, _ = distill._open_parent(options, Placement.cpu(), notices)
+    parent, layers, _, _ = build._open_parent(options, Placement.cpu(), notices)
     assert isinstance(layers, ResidentParent) and not any(p.is_meta for p in parent.parameters())
     assert any("holding it whole in memory" in line for line in notices.lines)
 
@@ -222,8 +222,8 @@ def test_write_child_equals_the_assembled_child(tied, dtype, tmp_path, tiny_reci
     from transformers import AutoModelForCausalLM
 
     import mlxkit
-    from mlxkit.engines.puzzle.assemble import assemble_child, write_child
-    from mlxkit.engines.puzzle.library import LibraryDir
+    from mlxkit.engines.puzzle.search.assemble import assemble_child, write_child
+    from mlxkit.engines.puzzle.library.store import LibraryDir
 
     mlxkit.register_auto_classes()
     parent_dir = save_with_tokenizer(make_tiny_llama(num_hidden_layers=4, tie_word_embeddings=tied), tmp_path / "p")
@@ -247,8 +247,8 @@ def test_write_child_equals_the_assembled_child(tied, dtype, tmp_path, tiny_reci
 
 def test_write_child_refuses_a_missing_block(built_library, tiny_llama_dir, tmp_path):
     from mlxkit.engines.errors import InputError
-    from mlxkit.engines.puzzle.assemble import write_child
-    from mlxkit.engines.puzzle.library import LibraryDir
+    from mlxkit.engines.puzzle.search.assemble import write_child
+    from mlxkit.engines.puzzle.library.store import LibraryDir
 
     library = LibraryDir(built_library)
     choices = _mixed_choices(2)

@@ -25,7 +25,7 @@ from mlxkit.engines.core.sizes import parse_bytes  # noqa: E402
 from mlxkit.engines.core.yaml_config import load_yaml_model  # noqa: E402
 from mlxkit.engines.errors import InputError  # noqa: E402
 from mlxkit.engines.io.safetensors_header import DTYPES, read_safetensors_header  # noqa: E402
-from mlxkit.engines.puzzle.budgets import (Budgets, Throughput, parse_count, parse_memory_mib,  # noqa: E402
+from mlxkit.engines.puzzle.search.budgets import (Budgets, Throughput, parse_count, parse_memory_mib,  # noqa: E402
                                            parse_time_ms)
 from mlxkit.engines.solve.validate import grid_shape, rhs_matrix, sparse_parts  # noqa: E402
 
@@ -314,7 +314,7 @@ def _replace_at(document, path: list[int], value):
 @given(path=st.lists(st.integers(0, 50), max_size=5), value=_yaml_values)
 def test_library_json(tmp_path_factory, path, value):
     """A block library (the NVlabs layout, converted on read) with one subtree replaced: a library or InputError."""
-    from mlxkit.engines.puzzle.library import read_library
+    from mlxkit.engines.puzzle.library.store import read_library
 
     with open(_LIBRARY) as handle:
         document = json.load(handle)

@@ -12,7 +12,7 @@ never retrained, and ranks of a distributed run never write the same file.
     library.json                                the `BlockLibrary` index (written at the end)
 
 `read_library` also reads the public NVlabs/puzzle demo format, converted into the same
-typed `BlockLibrary` (see `nvlabs_library`).
+typed `BlockLibrary` (see `nvlabs.py`).
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from mlxkit.engines.core.atomic import atomic_file, atomic_write_json
 from mlxkit.engines.core.yaml_config import validate_model
 from mlxkit.engines.errors import InputError
 from mlxkit.engines.models.decilm.blocks import AttentionVariant, FFNVariant
-from mlxkit.engines.puzzle.library_schema import (LIBRARY_FORMAT, LIBRARY_VERSION, BlockLibrary, BlockRecord, Metrics,
+from mlxkit.engines.puzzle.library.schema import (LIBRARY_FORMAT, LIBRARY_VERSION, BlockLibrary, BlockRecord, Metrics,
                                                   RunKey)
-from mlxkit.engines.puzzle.nvlabs_library import from_nvlabs, is_nvlabs_library
+from mlxkit.engines.puzzle.library.nvlabs import from_nvlabs, is_nvlabs_library
 from mlxkit.engines.puzzle.subblocks import Subblock, SubblockKind
 from mlxkit.engines.training.device import build_on
 

@@ -35,14 +35,14 @@ from mlxkit.engines.hardware.costs import price_variants
 from mlxkit.engines.hardware.profile import HardwareProfile, load_profile
 from mlxkit.engines.hardware.scenario import Scenario
 from mlxkit.engines.models.decilm.blocks import BlockChoice, ParentShape, parent_attention, parent_ffn
-from mlxkit.engines.puzzle.budgets import Budgets
-from mlxkit.engines.puzzle.distill import ensure_library
-from mlxkit.engines.puzzle.library import LibraryDir, read_library
-from mlxkit.engines.puzzle.library_pricing import (LibraryCosts, library_problem, parent_choice_names, parent_totals,
+from mlxkit.engines.puzzle.search.budgets import Budgets
+from mlxkit.engines.puzzle.library.build import ensure_library
+from mlxkit.engines.puzzle.library.store import LibraryDir, read_library
+from mlxkit.engines.puzzle.search.pricing import (LibraryCosts, library_problem, parent_choice_names, parent_totals,
                                                    price_library, solution_block_choices, stored_costs)
-from mlxkit.engines.puzzle.library_schema import BlockLibrary
-from mlxkit.engines.puzzle.mip import SearchProblem, Solution, Solver, sweep_batch_sizes
-from mlxkit.engines.puzzle.refine import (ChildMeasurement, Corrections, RefinementResult, isolated_sum,
+from mlxkit.engines.puzzle.library.schema import BlockLibrary
+from mlxkit.engines.puzzle.search.mip import SearchProblem, Solution, Solver, sweep_batch_sizes
+from mlxkit.engines.puzzle.search.refine import (ChildMeasurement, Corrections, RefinementResult, isolated_sum,
                                           measure_child, refine, tokens_hash)
 from mlxkit.engines.training.device import Placement
 from mlxkit.engines.training.distributed import Distributed
@@ -84,7 +84,7 @@ class SearchOptions:
     dtype: str = "auto"
     save_dtype: str | None = None
     sharding: str = "auto"  # of GKD's models (engines/training/sharding.py)
-    # Rounds of in-context refinement (engines/puzzle/refine.py); None: 3 when a child is built, else 0.
+    # Rounds of in-context refinement (engines/puzzle/search/refine.py); None: 3 when a child is built, else 0.
     refine: int | None = None
 
     def __post_init__(self) -> None:
@@ -349,7 +349,7 @@ def _child_measurer(held_out: _HeldOutScoring, placement: Placement, options: Se
     """`measure(solution)` for `refine`: the solution's child assembled and measured against the parent."""
     from mlxkit.engines.models.decilm.convert import from_parent
     from mlxkit.engines.models.loading import load_model
-    from mlxkit.engines.puzzle.assemble import assemble_child
+    from mlxkit.engines.puzzle.search.assemble import assemble_child
 
     library = read_library(held_out.root)
     assert library.parent is not None
@@ -574,7 +574,7 @@ def _build_child(options: SearchOptions, library_path: Path, library: BlockLibra
     from mlxkit.engines.models.decilm.convert import from_parent
     from mlxkit.engines.models.loading import load_model, source_dtype
     from mlxkit.engines.models.saving import save_model
-    from mlxkit.engines.puzzle.assemble import assemble_child
+    from mlxkit.engines.puzzle.search.assemble import assemble_child
 
     assert library.parent is not None  # has_trained_blocks
     root = _library_root(library_path)

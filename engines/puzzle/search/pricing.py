@@ -25,8 +25,8 @@ from mlxkit.engines.hardware.costs import CostModel, stats_context
 from mlxkit.engines.hardware.profile import HardwareProfile
 from mlxkit.engines.hardware.scenario import Scenario
 from mlxkit.engines.models.decilm.blocks import AttentionVariant, BlockChoice, FFNVariant, ParentShape
-from mlxkit.engines.puzzle.library_schema import BlockLibrary, Metrics, Stats, StatsContext
-from mlxkit.engines.puzzle.mip import Group, Option, SearchProblem, Solution
+from mlxkit.engines.puzzle.library.schema import BlockLibrary, Metrics, Stats, StatsContext
+from mlxkit.engines.puzzle.search.mip import Group, Option, SearchProblem, Solution
 
 # Stats the MIP can cap; the rest of a variant's stats are informative only.
 CONSTRAINABLE_STATS = ("memory_mib", "runtime_ms", "num_params", "prefill_runtime_ms", "decode_step_ms")

@@ -24,7 +24,7 @@ from typing import Any, Mapping
 from mlxkit.engines.core.yaml_config import validate_model
 from mlxkit.engines.errors import InputError
 from mlxkit.engines.models.decilm.blocks import AttentionVariant, BlockChoice, FFNVariant
-from mlxkit.engines.puzzle.library_schema import BlockLibrary
+from mlxkit.engines.puzzle.library.schema import BlockLibrary
 
 _LAYER_KEY = re.compile(r"^(?:layer|block)_(\d+)$")
 _KV_HEADS = re.compile(r"(\d+)\s*kv\s*heads?", re.IGNORECASE)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mlxkit.engines.puzzle.library_schema import TrainingInfo
+from mlxkit.engines.puzzle.library.schema import TrainingInfo
 from mlxkit.engines.puzzle.recipe import BLDSpec
 from mlxkit.engines.puzzle.subblocks import Subblock
 from mlxkit.engines.training.device import Placement

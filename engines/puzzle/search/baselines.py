@@ -41,7 +41,7 @@ def angular_distances(model, input_ids: torch.Tensor, batch_sequences: int = 4) 
     `model` is an mlxkit DeciLM (a converted parent or a child); the states are the raw
     residual stream, before the final norm.
     """
-    from mlxkit.engines.puzzle.activations import position_embeddings
+    from mlxkit.engines.puzzle.library.activations import position_embeddings
 
     base = model.model
     pos = position_embeddings(model, input_ids.shape[1])
@@ -111,11 +111,11 @@ def build_initialised_child(parent, choices: Sequence[BlockChoice], activations_
     Uses the calibration activations a block library cached in `activations_dir`; the
     blocks are written to `work_dir` as a small library and assembled from there.
     """
-    from mlxkit.engines.puzzle import activations
-    from mlxkit.engines.puzzle.assemble import assemble_child
-    from mlxkit.engines.puzzle.block_init import initialise
-    from mlxkit.engines.puzzle.library import LibraryDir
-    from mlxkit.engines.puzzle.library_schema import BlockRecord, TrainingInfo
+    from mlxkit.engines.puzzle.library import activations
+    from mlxkit.engines.puzzle.search.assemble import assemble_child
+    from mlxkit.engines.puzzle.library.block_init import initialise
+    from mlxkit.engines.puzzle.library.store import LibraryDir
+    from mlxkit.engines.puzzle.library.schema import BlockRecord, TrainingInfo
     from mlxkit.engines.puzzle.subblocks import parent_subblock
 
     shape = ParentShape.from_config(parent.config)

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from mlxkit.engines.core.atomic import atomic_write_json
 from mlxkit.engines.eval.metrics import kl_from_log_probs
 from mlxkit.engines.models.decilm.blocks import BlockChoice, ParentShape, parent_attention, parent_ffn
-from mlxkit.engines.puzzle.mip import Group, Option, SearchProblem, Solution
+from mlxkit.engines.puzzle.search.mip import Group, Option, SearchProblem, Solution
 
 REFINEMENT_FORMAT = 2
 SubblockKey = tuple[int, str]  # (layer, "attention" | "ffn")

@@ -24,7 +24,7 @@ from mlxkit.engines.models.decilm.blocks import BlockChoice, ParentShape, parent
 from mlxkit.engines.models.decilm.convert import child_config
 from mlxkit.engines.models.decilm.modeling_mlx_decilm import MlxDeciLMForCausalLM
 from mlxkit.engines.models.saving import DEFAULT_SHARD_SIZE
-from mlxkit.engines.puzzle.library import LibraryDir
+from mlxkit.engines.puzzle.library.store import LibraryDir
 from mlxkit.engines.training.device import build_on, module_device, module_dtype
 
 _ATTENTION_PREFIXES = ("input_layernorm.", "self_attn.")

@@ -15,11 +15,11 @@ Layout, in the NVlabs/puzzle vocabulary (`metrics`, `stats`, `kl_div`, `runtime_
 
 Each variant's `metrics` are its replace-1-block scores (lower KL is better) and its
 optional `stats` its costs; a library built by `mlx distill` stores no stats, because costs
-depend on the target (`mlx search` prices them, see `library_pricing`). Libraries scored per
-whole block (the NVlabs demo format, converted on read by `nvlabs_library`) keep the
+depend on the target (`mlx search` prices them, see `search/pricing.py`). Libraries scored per
+whole block (the NVlabs demo format, converted on read by `library/nvlabs.py`) keep the
 scores and stats of each attention+FFN combination under `blocks`.
 
-Only `engines/puzzle/library.py` reads and writes the file; every other module works on
+Only `engines/puzzle/library/store.py` reads and writes the file; every other module works on
 these types. Validation rejects what would silently mislead a search: missing layers or
 subblocks, non-finite scores, negative or non-finite costs.
 """

@@ -62,13 +62,13 @@ from mlxkit.engines.models.decilm.blocks import AttentionVariant, FFNVariant, Pa
 from mlxkit.engines.models.decilm.convert import ResidentParent, StreamedParent, from_parent
 from mlxkit.engines.models.loading import (check_finite_files, check_finite_weights, check_local_weights, load_config,
                                            load_model, load_tokenizer, resolve_spec, source_dtype)
-from mlxkit.engines.puzzle import activations
-from mlxkit.engines.puzzle.block_init import initialise
-from mlxkit.engines.puzzle.bld import train_subblock
-from mlxkit.engines.puzzle.library import LibraryDir, read_library, write_library
-from mlxkit.engines.puzzle.library_schema import BlockLibrary, BlockRecord, LayerEntry, ParentInfo, RunKey
+from mlxkit.engines.puzzle.library import activations
+from mlxkit.engines.puzzle.library.block_init import initialise
+from mlxkit.engines.puzzle.library.bld import train_subblock
+from mlxkit.engines.puzzle.library.store import LibraryDir, read_library, write_library
+from mlxkit.engines.puzzle.library.schema import BlockLibrary, BlockRecord, LayerEntry, ParentInfo, RunKey
 from mlxkit.engines.puzzle.recipe import PuzzleRecipe, load_recipe
-from mlxkit.engines.puzzle.scoring import ParentTail, Replacement, parent_metrics, score_streamed, score_subblock
+from mlxkit.engines.puzzle.library.scoring import ParentTail, Replacement, parent_metrics, score_streamed, score_subblock
 from mlxkit.engines.puzzle.search_space import SearchSpace, build_search_space
 from mlxkit.engines.puzzle.subblocks import SubblockKind, parent_subblock
 from mlxkit.engines.training.device import Placement, dtype_name

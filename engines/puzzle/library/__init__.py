@@ -1,0 +1,1 @@
+"""Build a Puzzle block library and keep it on disk: activations, BLD, scoring, the schema."""
