@@ -462,6 +462,11 @@ CASES = [
     ("gkd-micro-batch-beyond-memory", lambda w: ["distill", "--gkd", *_student_kd(w, [
         "--set", "data.seq_len=256", "--set", "optim.batch_sequences=4000000",
         "--set", "optim.micro_batch_sequences=4000000", "--out", OUT])], ["GKD", "needs at least", "this machine"], []),
+    ("bld-score-sequences-beyond-memory", lambda w: ["distill", "--bld", "--model", str(w["model"]), "--recipe",
+                                                     str(_write(w, "huge.yaml", TINY_PUZZLE_RECIPE.replace(
+                                                         "score_sequences: 2", "score_sequences: 400000000"))),
+                                                     "--data", str(w["text"]), "--out", OUT],
+     ["block library", "needs at least", "this machine"], []),
     ("eval-seq-len-beyond", lambda w: ["eval", str(w["model"]), "--data", str(w["text"]), "--seq-len", "2048"],
      ["2048", "256"], []),
 ]

@@ -133,6 +133,7 @@ def run_distill(options: DistillOptions, reporter: Reporter | None = None) -> di
             read_library(options.out)  # must exist and validate
         parent, layers, tokenizer, source = _open_parent(options, placement, reporter)
         stack.callback(layers.close)
+        _check_memory(parent, options, placement)
         precision = Precision(placement, placement.save_dtype(source_dtype(source), options.save_dtype))
         space = build_search_space(ParentShape.from_config(parent.config), options.recipe.search_space)
         key = _check_or_write_state(library, options, layers, precision, dist)
@@ -182,6 +183,30 @@ def _open_parent(options: DistillOptions, placement: Placement, reporter: Report
         reporter.notice(f"the parent '{options.model}' is {reason}: holding it whole in memory")
     parent, tokenizer, source = _load_parent(options, placement, reporter)
     return parent, ResidentParent(parent), tokenizer, source
+
+
+def _check_memory(parent, options: DistillOptions, placement: Placement) -> None:
+    """Refuse, before anything is written, a build whose lower-bound memory exceeds the device's.
+
+    Counted: the parent's resident weights (a streamed parent's layers stay on the meta device),
+    one layer at the widest FFN training in float32 with its gradients and AdamW moments, one
+    batch of that layer's activations, and scoring's float32 log-probabilities over the held-out
+    sequences: the parent's, one variant's and their KL terms, each sequences × positions × vocabulary.
+    """
+    from mlxkit.engines.training.budget import activation_bytes, check_fits, optimiser_bytes
+
+    config, recipe = parent.config, options.recipe
+    resident = sum(p.numel() * p.element_size() for p in parent.parameters() if p.device.type != "meta")
+    hidden, inner = int(config.hidden_size), int(getattr(config, "intermediate_size", 0) or 0)
+    block = 3 * hidden * inner
+    element = torch.finfo(placement.dtype).bits // 8
+    one_layer = activation_bytes(config, recipe.bld.batch_sequences, recipe.data.seq_len, element)
+    one_layer //= max(1, int(getattr(config, "num_hidden_layers", 1) or 1))
+    training = (4 * block + optimiser_bytes(block) + one_layer) if not options.score_only else 0
+    positions = recipe.data.score_sequences * (recipe.data.seq_len - 1)
+    scoring = 3 * positions * int(config.vocab_size) * 4 if (options.score or options.score_only) else 0
+    check_fits(resident + training + scoring, placement.device,
+               f"the block library of '{options.model}' (recipe '{recipe.name}')")
 
 
 def _load_parent(options: DistillOptions, placement: Placement, reporter: Reporter):
