@@ -39,3 +39,27 @@ def test_recipes_table_names_each_recipe():
     assert "packaged recipes" in result.stdout
     for verb, name in _packaged():
         assert name in result.stdout
+
+
+# mergekit's methods (its README's table), by the names its configs use.
+MERGEKIT_METHODS = ["linear", "slerp", "nuslerp", "multislerp", "karcher", "task_arithmetic", "ties", "dare_ties",
+                    "dare_linear", "breadcrumbs", "breadcrumbs_ties", "della", "della_linear", "sce", "model_stock",
+                    "arcee_fusion", "passthrough", "nearswap", "ram", "ramplus_tl"]
+
+
+def test_methods_lists_every_mergekit_method_with_a_name_the_config_accepts():
+    result = runner.invoke(app, ["recipes", "--methods", "--json"])
+    assert result.exit_code == 0, result.output
+    rows = {row["mergekit_name"]: row for row in json.loads(result.output)}
+    assert set(MERGEKIT_METHODS) <= set(rows)
+    # Each listed name and parameter is accepted by the config schema a merge validates.
+    from mlxkit.engines.merge.config import validate_config
+
+    for name in ("ties", "nearswap", "ramplus_tl"):
+        params = {p["name"]: (p["default"] if not p["required"] else 0.5) for p in rows[name]["parameters"]
+                  if not p["per_model"]}
+        config = validate_config({"merge_method": name, "base_model": "b", "models": [{"model": "a"}],
+                                  "parameters": params})
+        assert config.merge_method
+    table = runner.invoke(app, ["recipes", "--methods"])
+    assert table.exit_code == 0 and "nearswap" in table.output

@@ -270,3 +270,62 @@ def test_tsv_m(shape):
     _close(m.merge(deltas[:1], job1), deltas[0].numpy(), tol=1e-4)  # one task: its own task vector
     _, vector_job = _job("tsv-m", n=3, matrix=False)
     _close(m.merge(deltas, vector_job), np.mean([d.numpy() for d in deltas], 0))
+
+
+# ---- nearswap ----------------------------------------------------------------------------------
+
+def test_nearswap():
+    base, other = _rand(5, 7, seed=11), _rand(5, 7, seed=12) * 0.01
+    other = base + other
+    other[0, :3] = base[0, :3]  # unchanged elements swap fully
+    t = 0.004
+    m, job = _job("nearswap", params={"t": t})
+    b, o = base.double().numpy(), other.double().numpy()
+    want = np.empty_like(b)
+    for idx in np.ndindex(b.shape):
+        d = abs(b[idx] - o[idx])
+        w = 1.0 if d == 0 else min(1.0, t / d)
+        want[idx] = w * o[idx] + (1 - w) * b[idx]
+    got = m.merge([base, other], job)
+    _close(got, want, tol=1e-6)
+    assert 0 < (np.abs(want - o) > 1e-9).sum() < want.size  # some elements swapped, some kept part of the base
+
+
+def test_nearswap_needs_a_positive_threshold():
+    from mlxkit.engines.errors import InputError
+
+    with pytest.raises(InputError, match="t must be"):
+        get("nearswap").all_parameters()["t"].check(0.0)
+
+
+# ---- ram and ramplus-tl ------------------------------------------------------------------------
+
+def _ram_reference(deltas, eps, plus=False, r=0.1, alpha=0.2):
+    stack = np.stack([d.double().numpy() for d in deltas])
+    changed = np.abs(stack) > eps
+    counts = changed.sum(0)
+    out = np.zeros(stack.shape[1:])
+    for k in range(len(stack)):
+        unique = changed[k] & (counts == 1)
+        shared = changed[k] & (counts > 1)
+        gain = 1.0
+        if plus:
+            rho = shared.sum() / max(unique.sum(), eps)
+            gain = 1 + r * min(max(rho, 0.0), alpha)
+        for idx in zip(*np.nonzero(unique)):
+            out[idx] += stack[k][idx] * gain
+        for idx in zip(*np.nonzero(shared)):
+            out[idx] += stack[k][idx] / counts[idx]
+    return out
+
+
+@pytest.mark.parametrize("name, plus", [("ram", False), ("ramplus-tl", True)])
+def test_ram(name, plus):
+    rng = np.random.default_rng(5)
+    deltas = []
+    for s in (1, 2, 3):
+        d = _rand(6, 8, seed=s).numpy()
+        d[rng.random(d.shape) < 0.5] = 0.0  # sparse task vectors, so unique and shared elements both occur
+        deltas.append(torch.from_numpy(d))
+    m, job = _job(name, n=3, params={"epsilon": 1e-5})
+    _close(m.merge(deltas, job), _ram_reference(deltas, 1e-5, plus=plus))

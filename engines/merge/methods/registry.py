@@ -14,8 +14,10 @@ from mlxkit.engines.merge.methods.karcher import Karcher
 from mlxkit.engines.merge.methods.linear import Linear
 from mlxkit.engines.merge.methods.model_stock import ModelStock
 from mlxkit.engines.merge.methods.multislerp import MultiSlerp
+from mlxkit.engines.merge.methods.nearswap import NearSwap
 from mlxkit.engines.merge.methods.nuslerp import NuSlerp
 from mlxkit.engines.merge.methods.passthrough import Passthrough
+from mlxkit.engines.merge.methods.ram import Ram
 from mlxkit.engines.merge.methods.sce import Sce
 from mlxkit.engines.merge.methods.slerp import Slerp
 from mlxkit.engines.merge.methods.task_arithmetic import TaskArithmetic
@@ -27,7 +29,7 @@ METHODS: dict[str, MergeMethod] = {m.name: m for m in [
     Dare("dare-linear", consensus=False), Breadcrumbs("breadcrumbs", consensus=False),
     Breadcrumbs("breadcrumbs-ties", consensus=True), Della("della", consensus=True),
     Della("della-linear", consensus=False), Sce(), ModelStock(), ArceeFusion(), Linear(), Slerp(), NuSlerp(),
-    MultiSlerp(), Karcher(), Passthrough(),
+    MultiSlerp(), Karcher(), Passthrough(), NearSwap(), Ram("ram"), Ram("ramplus-tl", plus=True),
 ]}
 
 
