@@ -63,6 +63,39 @@ def test_one_command_gives_a_distilled_child_and_resumes_where_it_stopped(built_
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_other_choices_reassemble_the_staged_child_and_restart_its_gkd(built_library, text_file, tmp_path,
+                                                                       monkeypatch):
+    from mlxkit.engines.puzzle.search import run as search_run
+
+    # --throughput given twice: the last one counts, so the rerun below searches for 1.6x.
+    straight = tmp_path / "straight"
+    reference = _search(built_library, text_file, straight, "--throughput", "1.6x")
+    assert reference.exit_code == 0, reference.output
+    out = tmp_path / "out"
+    original, calls = DistillationRun.train_step, []
+
+    def failing_step(self, step):
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        calls.append(step)
+        return original(self, step)
+
+    monkeypatch.setattr(DistillationRun, "train_step", failing_step)
+    assert _search(built_library, text_file, out).exit_code == 130  # 1.3x: another child
+    staged = json.loads((search_work_dir(out) / "child-before-gkd" / "mlxkit.json").read_text())["results"]
+    assert staged["choices"] != json.loads(reference.stdout)["choices"]
+    monkeypatch.setattr(DistillationRun, "train_step", original)
+    built, build_child = [], search_run._build_child
+    monkeypatch.setattr(search_run, "_build_child", lambda *a, **k: built.append(1) or build_child(*a, **k))
+    # The staged child is assembled again for the new choices, and GKD's unfinished run on the old
+    # child is discarded rather than refused or resumed.
+    rerun = _search(built_library, text_file, out, "--throughput", "1.6x")
+    assert rerun.exit_code == 0, rerun.output
+    assert built == [1]
+    a, b = _weights(straight), _weights(out)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_gkd_tokens_cannot_be_combined_with_dry_run(built_library, text_file):
     result = runner.invoke(app, ["search", "--library", str(built_library), "--gkd-tokens", "64", "--dry-run"])
     assert result.exit_code != 0 and "--dry-run" in result.output

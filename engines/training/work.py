@@ -53,7 +53,7 @@ def check_run_key(work: Path, key: dict[str, Any], dist: Distributed, *, overwri
                 work.mkdir(parents=True)
                 atomic_write_json(key_file, key)
                 if reporter is not None:
-                    reporter.notice(f"--overwrite: discarded the unfinished run in {work} "
+                    reporter.notice(f"discarded the unfinished run in {work} "
                                     f"(other settings: {', '.join(changed)})")
     elif dist.is_main:
         work.mkdir(parents=True, exist_ok=True)

@@ -11,9 +11,14 @@ Plan (what exists is reused, what is missing is built):
   4. the best child assembled from the library's trained blocks, saved atomically with
      its manifest, and evaluated against the parent on held-out tokens;
   5. with `gkd_tokens`, global distillation of that child against the parent: the assembled
-     child waits in `.<out>.search-work/` and the distillation's own work directory, so a
-     rerun of the same command resumes at the stage it stopped in, and the distilled child
-     is what lands at `out`, its manifest recording every stage;
+     child waits in `.<out>.search-work/` under its stage key (the library's index, the
+     choices, the evaluation and the dtypes), and GKD keeps its own work directory under its
+     run key, so a rerun of the same command resumes at the stage it stopped in, a rerun with
+     other choices assembles and distils afresh, and the distilled child is what lands at
+     `out`, its manifest recording every stage;
+
+The parent is read once for the stages before GKD (`SearchParent`) and freed before GKD reads
+it as the teacher.
   6. with `export`, the search space keeps only what that serving format can hold (no linear
      FFN for llama.cpp; Nemotron-NAS-exact widths), and the saved child is exported into `out`.
 """
@@ -197,18 +202,22 @@ def _search(options: SearchOptions, reporter: Reporter, dist: Distributed, place
     if options.export is not None:
         library = _exportable_library(library, options.export, options.export_dtype, reporter)
     shape = library.parent.shape if library.parent is not None else None
-    result, choices, scenario = dist.broadcast_object(None, build=lambda: _shared_outcome(
+    parent = SearchParent(library.parent.spec, placement, options.allow_pickle, reporter) \
+        if library.parent is not None else None
+    solved = dist.broadcast_object(None, build=lambda: _shared_outcome(
         lambda: _solve(options, library, library_path, shape, profile, scenario, budgets, defaulted, reporter,
-                       placement)))
-    if isinstance(result, BaseException):
-        raise result
+                       placement, parent)))
+    if isinstance(solved, BaseException):
+        raise solved
+    result, scenario = solved.result, solved.scenario
     if library.has_trained_blocks and options.out is not None:
+        assert parent is not None
         if options.gkd_tokens:
-            result.update(_build_and_distil(options, library_path, library, choices, result, profile, scenario,
-                                            started, reporter, dist, placement))
+            result.update(_build_and_distil(options, library_path, library, solved, profile, started, reporter,
+                                            dist, placement, parent))
         elif dist.is_main:
-            result.update(_build_child(options, library_path, library, choices, result, profile, scenario,
-                                       started, reporter, placement))
+            result.update(_build_child(options, library_path, library, solved, profile, started, reporter,
+                                       placement, parent).to_dict())
         if options.export is not None and dist.is_main:
             result["export"] = _export_child(Path(result["out"]), options, reporter)
     elif options.out is not None and dist.is_main:
@@ -218,9 +227,68 @@ def _search(options: SearchOptions, reporter: Reporter, dist: Distributed, place
     return result
 
 
+@dataclass(frozen=True)
+class SolvedSearch:
+    """The solve stage's outcome: its report, the block chosen for each layer, and the scenario (batch
+    included, after a sweep) the choice was priced for."""
+
+    result: dict[str, Any]
+    choices: list[BlockChoice]
+    scenario: Scenario
+
+
+@dataclass(frozen=True)
+class StagedChild:
+    """The assemble stage's outcome: the saved child, its size, and its evaluation against the parent."""
+
+    out: Path
+    num_params: int
+    evaluation: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"out": str(self.out), "num_params": self.num_params, "evaluation": self.evaluation}
+
+
+class SearchParent:
+    """The parent, read once into the compute dtype on the device for the stages before GKD: refinement
+    measures children against it, assembly copies its kept blocks, evaluation compares with it.
+    `release()` frees it before GKD loads the parent as its teacher."""
+
+    def __init__(self, spec: str, placement: Placement, allow_pickle: bool, reporter: Reporter):
+        self.spec, self.placement, self.allow_pickle, self.reporter = spec, placement, allow_pickle, reporter
+        self._loaded: Any = None
+        self._converted: Any = None
+
+    @property
+    def loaded(self):
+        """The parent as `load_model` returns it (model, tokenizer, source)."""
+        if self._loaded is None:
+            from mlxkit.engines.models.loading import load_model
+
+            self._loaded = load_model(self.spec, dtype=self.placement.dtype, device=self.placement.device,
+                                      allow_pickle=self.allow_pickle, reporter=self.reporter)
+        return self._loaded
+
+    @property
+    def converted(self):
+        """The parent in the child's (DeciLM) form, run by assembly, refinement and evaluation."""
+        if self._converted is None:
+            from mlxkit.engines.models.decilm.convert import from_parent
+
+            self._converted = from_parent(self.loaded.model)
+            self._converted.config._attn_implementation = "sdpa"
+        return self._converted
+
+    def release(self) -> None:
+        import gc
+
+        self._loaded = self._converted = None
+        gc.collect()
+
+
 def _solve(options: SearchOptions, library: BlockLibrary, library_path: Path, shape: ParentShape | None,
            profile: HardwareProfile, scenario: Scenario, budgets: Budgets, defaulted: bool, reporter: Reporter,
-           placement: Placement) -> tuple[dict[str, Any], list[BlockChoice], Scenario]:
+           placement: Placement, parent: SearchParent | None) -> SolvedSearch:
     """Price the library, solve the MIP (refined in context when asked) and describe the best solution
     (rank 0's stage)."""
     stored = stored_costs(library) if options.costs == "library" else None
@@ -272,8 +340,9 @@ def _solve(options: SearchOptions, library: BlockLibrary, library_path: Path, sh
     if refining:
         assert held_out is not None
         corrections = Corrections(options.metric, held_out.tokens_hash, profile.name)
-        outcome = refine(problem, lambda p: Solver.build(p).solve(caps), _child_measurer(held_out, placement,
-                         options, reporter), parents, corrections, max_rounds=rounds, first=best)
+        assert parent is not None  # held_out needs trained blocks, so the library records its parent
+        outcome = refine(problem, lambda p: Solver.build(p).solve(caps), _child_measurer(held_out, parent, reporter),
+                         parents, corrections, max_rounds=rounds, first=best)
         corrections.write(held_out.root)
         solved = corrections.corrected(problem, parents)
         best = outcome.solution
@@ -311,7 +380,7 @@ def _solve(options: SearchOptions, library: BlockLibrary, library_path: Path, sh
         result["batch_sweep"] = sweep_report
     if refinement is not None:
         result["refinement"] = refinement
-    return result, choices, scenario
+    return SolvedSearch(result, choices, scenario)
 
 
 @dataclass(frozen=True)
@@ -345,22 +414,18 @@ def _held_out_tokens(library_path: Path, sequences: int) -> torch.Tensor | None:
     return torch.load(tokens_file, weights_only=True)["val"][:sequences]
 
 
-def _child_measurer(held_out: _HeldOutScoring, placement: Placement, options: SearchOptions, reporter: Reporter):
+def _child_measurer(held_out: _HeldOutScoring, search_parent: SearchParent, reporter: Reporter):
     """`measure(solution)` for `refine`: the solution's child assembled and measured against the parent."""
-    from mlxkit.engines.models.decilm.convert import from_parent
-    from mlxkit.engines.models.loading import load_model
     from mlxkit.engines.puzzle.search.assemble import assemble_child
 
     library = read_library(held_out.root)
     assert library.parent is not None
-    parent = from_parent(load_model(library.parent.spec, dtype=placement.dtype, device=placement.device,
-                                    allow_pickle=options.allow_pickle, with_tokenizer=False, reporter=reporter).model)
-    parent.config._attn_implementation = "sdpa"
     round_index = 0
 
     def measure(solution: Solution) -> ChildMeasurement:
         nonlocal round_index
         round_index += 1
+        parent = search_parent.converted
         choices = solution_block_choices(solution)
         child = assemble_child(parent, LibraryDir(held_out.root), choices).eval()
         replaced = sum((c.attention != parent_attention(library.parent.shape))
@@ -384,7 +449,7 @@ def _shared_outcome(stage):
     try:
         return stage()
     except Exception as exc:  # noqa: BLE001 - re-raised on every rank by the caller
-        return exc, None, None
+        return exc
 
 
 def search_frontier(options: SearchOptions, throughputs: list[str], reporter: Reporter | None = None) -> dict[str, Any]:
@@ -488,58 +553,78 @@ def search_work_dir(out: Path) -> Path:
     return out.parent / f".{out.name}.search-work"
 
 
-def _build_and_distil(options: SearchOptions, library_path: Path, library: BlockLibrary,
-                      choices: list[BlockChoice], result: dict[str, Any], profile: HardwareProfile,
-                      scenario: Scenario, started: float, reporter: Reporter, dist: Distributed,
-                      placement: Placement) -> dict[str, Any]:
-    """Assemble the child (or reuse the one a previous run assembled for the same choices), then GKD it.
+def _build_and_distil(options: SearchOptions, library_path: Path, library: BlockLibrary, solved: SolvedSearch,
+                      profile: HardwareProfile, started: float, reporter: Reporter, dist: Distributed,
+                      placement: Placement, parent: SearchParent) -> dict[str, Any]:
+    """Assemble the child (or reuse the one an earlier run staged under the same stage key), then GKD it.
 
-    Rank 0 assembles and stages the child while the other ranks wait; then every rank takes part in GKD.
+    Rank 0 assembles and stages the child while the other ranks wait; then every rank takes part in GKD,
+    which resumes its own work only while the staged child it trains is the same.
     """
-    import json
     import shutil
 
     from mlxkit.engines.distill.recipe import load_distill_recipe
     from mlxkit.engines.distill.trainer import DistillationOptions, run_distillation
 
     assert library.parent is not None and options.out is not None
+    result, scenario = solved.result, solved.scenario
     recipe = load_distill_recipe(options.gkd_recipe).with_overrides(options.gkd_overrides)  # fail before work
-    staged = search_work_dir(options.out) / "child-before-gkd"
-    manifest_file = staged / "mlxkit.json"
-    before: dict[str, Any] | None = None
+    staged_dir = search_work_dir(options.out) / "child-before-gkd"
+    staged: StagedChild | None = None
     if dist.is_main:
-        if manifest_file.exists():
-            recorded = json.loads(manifest_file.read_text())["results"]
-            if recorded.get("choices") == result["choices"]:
-                before = {"out": str(staged), "num_params": recorded.get("num_params"),
-                          "evaluation": recorded.get("evaluation")}
-                reporter.notice(f"reusing the child assembled by an earlier run at {staged}")
-        if before is None:
-            from mlxkit.engines.distill.trainer import work_dir_for
-
-            shutil.rmtree(work_dir_for(options.out), ignore_errors=True)  # a distillation of another child
-            before = _build_child(replace(options, out=staged, overwrite=True), library_path, library, choices,
-                                  result, profile, scenario, started, reporter, placement)
-    before = dist.broadcast_object(before)
+        key = _child_stage_key(library_path, solved, options, placement)
+        staged = _staged_child(staged_dir, key)
+        if staged is not None:
+            reporter.notice(f"reusing the child assembled by an earlier run at {staged_dir}")
+        else:
+            staged = _build_child(replace(options, out=staged_dir, overwrite=True), library_path, library, solved,
+                                  profile, started, reporter, placement, parent, stage_key=key)
+        parent.release()  # GKD reads the parent again, as its teacher
+    staged = dist.broadcast_object(staged)
+    assert staged is not None
     search_stages = {"library": str(library_path), "target": profile.name, "scenario": scenario.to_dict(),
                      "budgets": result["budgets"], "caps": result["caps"], "mip": {
                          "objective": result["objective"], "status": result["status"],
                          "metric": options.metric, "solve_time_s": result["solve_time_s"]},
                      "predicted": result["predicted"], "choices": result["choices"],
-                     "child_before_gkd": {"num_params": before["num_params"], "evaluation": before["evaluation"]}}
+                     "child_before_gkd": {"num_params": staged.num_params, "evaluation": staged.evaluation}}
     reporter.notice(f"global distillation of the child on {options.gkd_tokens} tokens "
                     f"({'--data ' + str(options.data) if options.data else 'text sampled from the parent'})")
     summary = run_distillation(DistillationOptions(
-        mode="gkd", teacher=library.parent.spec, student=str(staged), out=options.out, recipe=recipe,
+        mode="gkd", teacher=library.parent.spec, student=str(staged.out), out=options.out, recipe=recipe,
         data=options.data, tokens=options.gkd_tokens, seed=options.seed, overwrite=options.overwrite,
         allow_pickle=options.allow_pickle, device=options.device, dtype=options.dtype, save_dtype=options.save_dtype,
-        sharding=options.sharding, manifest_extra={"search": search_stages}), reporter)
+        sharding=options.sharding, discard_other_runs=True, manifest_extra={"search": search_stages}), reporter)
     if not dist.is_main:
         return {}
     after = _evaluate_saved_child(Path(summary["out"]), library_path, library, options, placement, reporter)
     shutil.rmtree(search_work_dir(options.out), ignore_errors=True)
-    return {"out": summary["out"], "num_params": before["num_params"], "evaluation": before["evaluation"],
+    return {"out": summary["out"], "num_params": staged.num_params, "evaluation": staged.evaluation,
             "evaluation_after_gkd": after, "gkd": {k: v for k, v in summary.items() if k != "out"}}
+
+
+def _child_stage_key(library_path: Path, solved: SolvedSearch, options: SearchOptions,
+                     placement: Placement) -> dict[str, Any]:
+    """What the assembled child depends on: the library's index (its blocks and scores), the choices, the
+    held-out evaluation and the dtypes it is computed and saved in."""
+    from mlxkit.engines.core.manifest import content_hash
+
+    return {"library": content_hash(_library_root(library_path).index_file), "choices": solved.result["choices"],
+            "eval_sequences": options.eval_sequences, "compute_dtype": str(placement.dtype),
+            "save_dtype": options.save_dtype}
+
+
+def _staged_child(staged_dir: Path, key: dict[str, Any]) -> StagedChild | None:
+    """The child an earlier run staged in `staged_dir` under the same stage key, else None."""
+    import json
+
+    try:
+        recorded = json.loads((staged_dir / "mlxkit.json").read_text())["results"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if recorded.get("stage_key") != json.loads(json.dumps(key)):
+        return None
+    return StagedChild(staged_dir, recorded.get("num_params"), recorded.get("evaluation") or {})
 
 
 def _evaluate_saved_child(child_dir: Path, library_path: Path, library: BlockLibrary, options: SearchOptions,
@@ -568,38 +653,35 @@ def _held_out_evaluation(child, parent, val: torch.Tensor, reporter: Reporter) -
             "kl_div": child_eval.kl_div, "top1_agreement": child_eval.top1_agreement, "tokens": child_eval.tokens}
 
 
-def _build_child(options: SearchOptions, library_path: Path, library: BlockLibrary, choices: list[BlockChoice],
-                 result: dict[str, Any], profile: HardwareProfile, scenario: Scenario, started: float,
-                 reporter: Reporter, placement: Placement) -> dict[str, Any]:
-    from mlxkit.engines.models.decilm.convert import from_parent
-    from mlxkit.engines.models.loading import load_model, source_dtype
+def _build_child(options: SearchOptions, library_path: Path, library: BlockLibrary, solved: SolvedSearch,
+                 profile: HardwareProfile, started: float, reporter: Reporter, placement: Placement,
+                 parent: SearchParent, stage_key: dict[str, Any] | None = None) -> StagedChild:
+    from mlxkit.engines.models.loading import source_dtype
     from mlxkit.engines.models.saving import save_model
     from mlxkit.engines.puzzle.search.assemble import assemble_child
 
     assert library.parent is not None  # has_trained_blocks
+    result, scenario = solved.result, solved.scenario
     root = _library_root(library_path)
-    parent_spec = library.parent.spec
-    # Assembly and evaluation only run forwards: the parent is read into the compute dtype on the device.
-    loaded = load_model(parent_spec, dtype=placement.dtype, device=placement.device, allow_pickle=options.allow_pickle,
-                        reporter=reporter)
+    # Assembly and evaluation only run forwards: the parent is held in the compute dtype on the device.
+    loaded, converted = parent.loaded, parent.converted
     save_dtype = placement.save_dtype(source_dtype(loaded.source), options.save_dtype)
-    parent = from_parent(loaded.model)
-    parent.config._attn_implementation = "sdpa"
-    child = assemble_child(parent, root, choices)
+    child = assemble_child(converted, root, solved.choices)
     n_params = sum(p.numel() for p in child.parameters())
 
     val = _held_out_tokens(library_path, options.eval_sequences)
-    evaluation = {} if val is None else _held_out_evaluation(child, parent, val.to(placement.device), reporter)
+    evaluation = {} if val is None else _held_out_evaluation(child, converted, val.to(placement.device), reporter)
 
     manifest = Manifest(verb="search", started=started)
-    manifest.add_input("parent", parent_spec, loaded.source.path)
+    manifest.add_input("parent", parent.spec, loaded.source.path)
     manifest.add_input("library", str(library_path), root.index_file)
     manifest.seeds = {"seed": options.seed}
     manifest.settings = {"target": profile.name, "scenario": scenario.to_dict(), "budgets": result["budgets"],
                          "caps": result["caps"], "metric": options.metric, "costs": options.costs,
                          "recipe": None if options.library is not None else options.recipe or "quick"}
     manifest.results = {"objective": result["objective"], "predicted": result["predicted"],
-                        "choices": result["choices"], "evaluation": evaluation, "num_params": n_params}
+                        "choices": result["choices"], "evaluation": evaluation, "num_params": n_params,
+                        **({"stage_key": stage_key} if stage_key is not None else {})}
     child.generation_config = loaded.model.generation_config
     out = save_model(child, loaded.tokenizer, options.out, manifest, overwrite=options.overwrite, dtype=save_dtype)
-    return {"out": str(out), "num_params": n_params, "evaluation": evaluation}
+    return StagedChild(Path(out), n_params, evaluation)
