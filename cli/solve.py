@@ -23,7 +23,14 @@ def solve_command(
     nullspace: Annotated[str, typer.Option("--nullspace", help="none | constant (mean-zero solution of A1=0 systems).")] = "none",
     dtype: Annotated[str, typer.Option("--dtype", help="SSI working precision: float64 | float32 (not the "
                                                        "model-compute dtype of the other verbs; the sparse "
-                                                       "direct solvers always use float64).")] = "float64",
+                                                       "direct solvers always use float64). float32 stores "
+                                                       "and applies the factor in float32 and refines x in "
+                                                       "float64 (--refine).")] = "float64",
+    refine: Annotated[Optional[int], typer.Option("--refine", min=0, help="At most N iterative-refinement "
+                                                  "steps: residual b - Ax in float64 with the sparse A, "
+                                                  "correction solved with the factor; stops once a step no "
+                                                  "longer halves the residual. Default: 3 with --dtype "
+                                                  "float32, else 0.", metavar="N")] = None,
     leaf: Annotated[int, typer.Option("--leaf", min=1, help="Minimum cells per SSI leaf-patch side.")] = 4,
     device: Annotated[str, typer.Option("--device", help="Where SSI factorises and solves: auto (CUDA when "
                                                          "available, else CPU), cpu, cuda or cuda:N. The sparse "
@@ -43,7 +50,7 @@ def solve_command(
     output = Output(json_out, quiet, verbose)
     with claimed_output(out, kind="file", inputs=[file, rhs]):
         report, _ = run_solve(file, rhs=rhs, grid=grid, method=method, nullspace=nullspace, dtype=dtype, leaf=leaf,
-                              out=out, overwrite=overwrite, device=device, reporter=output.reporter)
+                              refine=refine, out=out, overwrite=overwrite, device=device, reporter=output.reporter)
     output.emit(report, lambda r: _render(file, out, r, quiet))
 
 
@@ -58,6 +65,10 @@ def _render(file: Path, out: Optional[Path], report: dict, quiet: bool) -> None:
     table.add_row("unknowns", f"{report['unknowns']:,} (grid {grid_text}, {report['systems']} system(s), "
                               f"{report['rhs_columns']} rhs column(s))")
     table.add_row("relative residual", f"{report['residual']:.3e}")
+    if "refine" in report:
+        refine = report["refine"]
+        table.add_row("refinement", f"{refine['steps']} of at most {refine['max_steps']} step(s), from "
+                                    f"{refine['unrefined_residual']:.3e}")
     if "nullspace" in report:
         table.add_row("residual vs compatible b", f"{report['compatible_residual']:.3e}")
     table.add_row("factor / solve", f"{report['factor_s']:.3f} s / {report['solve_s']:.3f} s")

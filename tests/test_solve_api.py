@@ -16,7 +16,7 @@ import scipy.sparse.linalg as spla
 import mlxkit.engines.solve.matrix as matrix_module
 import mlxkit.engines.solve.validate as validate_module
 from mlxkit.engines.errors import InputError, SingularMatrixError
-from mlxkit.engines.solve import Factorized, SolverWarning, factorized, spsolve
+from mlxkit.engines.solve import Factorized, SolverWarning, SparseFallbackWarning, factorized, spsolve
 
 
 def poisson(height: int, width: int, shift: float = 0.0) -> sp.csr_matrix:
@@ -72,11 +72,11 @@ def test_square_grid_inferred_matches_scipy(name, a):
     assert close(spsolve(a, b), reference(a, b)), name
 
 
-def test_non_square_grid_needs_grid_shape():
+def test_rectangular_grid_inferred_or_given():
     a = variable_coefficient(7, 11, seed=4, nine_point=True)
     b = np.random.default_rng(5).standard_normal((77, 3))
-    with pytest.raises(InputError, match="grid_shape"):
-        factorized(a)  # 77 unknowns: not a square grid, and offsets alone are not trusted
+    solve = factorized(a)  # 77 unknowns: W = 11 read from the outer diagonals, H = 77 / 11
+    assert solve.method == "ssi" and solve.grid == (7, 11) and close(solve(b), reference(a, b))
     x = spsolve(a, b, grid_shape=(7, 11))
     assert x.shape == b.shape and close(x, reference(a, b))
     assert close(factorized(a, grid_shape=[7, 11])(b), reference(a, b))
@@ -89,10 +89,11 @@ def test_batched_transposed_and_resolve():
     for _ in range(2):  # one factorisation, many right-hand sides
         b = rng.standard_normal((130, 4))
         assert close(solve(b), reference(a, b))
-        assert close(solve.solve(b, transpose=True), reference(a.T, b))
+        assert close(solve.solve(b, trans="T"), reference(a.T, b))
     column = solve(b[:, :1])
     assert column.shape == (130, 1) and close(column[:, 0], reference(a, b[:, 0]))
-    assert close(solve(sp.csr_matrix(b)), reference(a, b))  # a sparse b is densified
+    with pytest.raises(InputError, match="sparse right-hand side"):
+        solve(sp.csr_matrix(b))  # as SciPy's factorized: never densified behind the caller's back
 
 
 @pytest.mark.parametrize("fmt", ["csr", "csc", "coo", "dia", "bsr", "lil", "dok", "dense", "csr_array"])
@@ -108,8 +109,10 @@ def test_sparse_direct_methods_for_general_matrices():
     rng = np.random.default_rng(8)
     a = (sp.random(50, 50, density=0.1, random_state=9) + 10 * sp.eye(50)).tocsr()
     b = rng.standard_normal(50)
-    with pytest.raises(InputError, match="method='superlu'"):
-        spsolve(a, b)  # 50 is no square number: SSI has no grid, and the error names the way out
+    with pytest.raises(InputError, match="method='auto'"):
+        spsolve(a, b, method="ssi")  # no grid in the pattern, and the error names the way out
+    with pytest.warns(SparseFallbackWarning, match="general sparse direct solver"):
+        assert close(spsolve(a, b), reference(a, b))
     solve = factorized(a, method="superlu")
     assert solve.method == "superlu" and solve.grid is None
     assert close(solve(b), reference(a, b))

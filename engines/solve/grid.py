@@ -36,9 +36,10 @@ def fits_grid(a: sp.spmatrix, height: int, width: int) -> bool:
 def infer_grid(a: sp.spmatrix) -> tuple[int, int] | None:
     """Infer (H, W) of a 9-point grid matrix from its diagonal offsets; None when there is none.
 
-    Offsets of a 9-point matrix are 0, ±1, ±(W-1), ±W, ±(W+1); each offset larger than one proposes
-    W - 1, W and W + 1, and the first proposal whose pattern fits (no coupling wraps a row) wins.
-    A matrix with only offsets 0 and ±1 is one-dimensional and has no grid.
+    Offsets of a 9-point matrix are 0, ±1, ±(W-1), ±W, ±(W+1) (a 5-point one: 0, ±1, ±W), so W is read
+    from the pattern and H = N / W: each offset larger than one proposes W - 1, W and W + 1, and the first
+    proposal whose pattern fits (no coupling wraps a row) wins. Any fitting grid gives an exact SSI
+    solve. A matrix with only offsets 0 and ±1 is one-dimensional and has no grid.
 
     Examples
     --------
@@ -53,6 +54,10 @@ def infer_grid(a: sp.spmatrix) -> tuple[int, int] | None:
     coo = sp.coo_matrix(a)
     nz = coo.data != 0
     offsets = np.unique(np.abs(coo.col[nz].astype(np.int64) - coo.row[nz].astype(np.int64)))
+    if offsets.size > 5:
+        # A grid matrix has at most 0, 1, W-1, W, W+1; without this exit a general sparse matrix with
+        # thousands of distinct offsets would pay one O(nnz) fit per candidate width.
+        return None
     tried: set[int] = set()
     for d in offsets[offsets > 1]:
         for width in (int(d), int(d) - 1, int(d) + 1):
