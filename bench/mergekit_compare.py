@@ -142,10 +142,12 @@ def run_fixtures(work: Path, mergekit: str, mlx: str, env: dict) -> dict:
         us = measure_in(models, [mlx, "merge", "--config", str(cfg), "-o", str(ours), "--device", "cpu", "-q"], env)
         diff, where = max_rel_diff(ours, theirs)
         results[name] = {"max_rel_diff": diff, "at": where, "randomized": name.startswith(RANDOMIZED),
-                         "mergekit_wall_s": mk["wall_s"], "ours_wall_s": us["wall_s"]}
+                         "mergekit_wall_s": mk["wall_s"], "ours_wall_s": us["wall_s"],
+                         "mergekit_peak_rss_bytes": mk["peak_rss_bytes"], "ours_peak_rss_bytes": us["peak_rss_bytes"]}
         note = "  (randomized: different masks, not comparable)" if results[name]["randomized"] else ""
         print(f"{name:18s} max rel diff {diff:.2e} at {where}  wall mergekit {mk['wall_s']:.1f} s "
-              f"ours {us['wall_s']:.1f} s{note}", flush=True)
+              f"ours {us['wall_s']:.1f} s  peak RSS mergekit {mk['peak_rss_bytes'] / 2**20:.0f} MiB "
+              f"ours {us['peak_rss_bytes'] / 2**20:.0f} MiB{note}", flush=True)
     return results
 
 
