@@ -6,7 +6,8 @@ Stages (each skipped when its output exists under --work):
   eval       held-out loss of the base and of each fine-tune on every domain
   merge      merge the four fine-tunes with every method (α: sweep on the validation blocks for
              task-vector methods), then held-out loss per domain and the normalised score
-             (base loss − merged loss) / (base loss − own fine-tune loss), averaged over domains
+             (base loss − merged loss) / (base loss − own fine-tune loss), averaged over domains;
+             regmean and fisher calibrate on an equal share of every domain's validation text
 
 Domains: wikitext-2 valid, tinyshakespeare, the Python standard library's .py files, and
 software licence texts (/usr/share/common-licenses), none of which overlaps the others.
@@ -32,7 +33,10 @@ from mlxkit.engines.eval.language_model import evaluate
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = "smollm2-135m"
-METHODS = ["iso-c", "iso-cts", "task-arithmetic", "ties", "dare-ties", "dare-linear", "linear", "slerp"]
+METHODS = ["iso-c", "iso-cts", "task-arithmetic", "ties", "dare-ties", "dare-linear", "linear", "slerp", "regmean",
+           "fisher"]
+# The data-aware methods' calibration budget (their default), shared equally by the domains.
+CALIBRATION_TOKENS = 8192
 METHOD_PARAMS = {"ties": {"density": 0.2}, "dare-ties": {"drop_rate": 0.9}, "dare-linear": {"drop_rate": 0.9},
                  "slerp": {"t": 0.5}}
 ALPHA_GRID = [0.2, 0.4, 0.6, 0.8, 1.0, 1.2, 1.5, 2.0]
@@ -152,6 +156,13 @@ def stage_merge(work: Path, data: dict, domains: list[str], methods: list[str], 
             tok = AutoTokenizer.from_pretrained(base_dir)
             f.write_text(tok.decode(data[d]["val"].reshape(-1)))
         val_files.append(str(f))
+    calibration = work / "calibration.txt"
+    if not calibration.exists():
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(base_dir)
+        share = CALIBRATION_TOKENS // len(domains) - 64  # slack: decoding then encoding again may shift a few tokens
+        calibration.write_text("\n\n".join(tok.decode(data[d]["val"].reshape(-1)[:share]) for d in domains))
     for method in methods:
         if method in res:
             continue
@@ -166,6 +177,8 @@ def stage_merge(work: Path, data: dict, domains: list[str], methods: list[str], 
             cfg.update(alpha=res[name]["alpha"])
         elif get(method).uses_deltas:
             cfg.update(alpha="auto", eval_data=val_files, alpha_grid=ALPHA_GRID, eval_tokens=4096, eval_seq_len=256)
+        if get(name).statistics is not None:
+            cfg.update(data=str(calibration), calibration_tokens=CALIBRATION_TOKENS)
         cfg["models"] = [{"model": m} for m in models]
         out = work / f"merged-{method}"
         start = time.perf_counter()

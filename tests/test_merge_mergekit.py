@@ -127,9 +127,8 @@ def test_tokenizer_source_and_chat_template(workdir, monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("extra,message", [
-    ("tokenizer_source: union\n", "tokenizer_source: union is not supported yet"),
-    ("tokenizer:\n  source: union\n", "tokenizer.source: union is not supported yet"),
-    ("tokenizer:\n  source: base\n  pad_to_multiple_of: 64\n", "'pad_to_multiple_of' is not a key mlx merge supports"),
+    ("tokenizer_source: union\ntokenizer:\n  source: union\n", "give tokenizer_source or tokenizer, not both"),
+    ("tokenizer:\n  source: base\n  tokens: {}\n", "'tokens' is not a key mlx merge supports"),
     ("modules: {}\n", "'modules' is not a key mlx merge supports"),
     ("chat_template: vicuna-v9\n", "chat_template 'vicuna-v9' is not supported"),
     ("tokenizer_source: ./elsewhere\n", "tokenizer source './elsewhere' is not one of the merged models"),

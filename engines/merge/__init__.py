@@ -5,6 +5,8 @@ inputs (checkpoints, hub ids, LoRA adapters), `plan.py` lists one task per tenso
 only, `executor.py` streams the tensors through a method from `methods/registry.py`, and
 `run.py` writes the result atomically. `params.py` types each method parameter (checked with the
 config, before any tensor is read), `tokenizers.py` compares the inputs' tokenizers before any
-tensor is read, and `linalg.py` holds the spectral kernels. The config schema is mergekit's, so
+tensor is read, `vocab.py` aligns embedding and LM-head rows by token under a tokenizer policy,
+`linalg.py` holds the spectral kernels, and `statistics.py` runs each input model
+over calibration text for the data-aware methods (RegMean, Fisher). The config schema is mergekit's, so
 `mergekit-yaml` configs run unchanged.
 """

@@ -11,7 +11,7 @@
     out_dtype: bfloat16
 
 The schema is mergekit's (`mergekit-yaml` configs run unchanged) plus our own keys (`alpha`,
-`eval_data`, `average_embeddings`, ...). A parameter value is, as in mergekit:
+`eval_data`, `average_embeddings`, `data` for regmean and fisher, ...). A parameter value is, as in mergekit:
 
 * a scalar;
 * a gradient, a list of numbers interpolated linearly over the layers: layer i of N takes the
@@ -44,6 +44,7 @@ from mlxkit.engines.core.sizes import parse_bytes
 from mlxkit.engines.core.yaml_config import looks_like_file, packaged_yaml, read_yaml_mapping, validate_model
 from mlxkit.engines.errors import InputError, RecipeError
 from mlxkit.engines.merge.params import ALPHA, ALPHA_GRID_POINT, ParamDef
+from mlxkit.engines.merge.tokenizers import has_tokenizer_files
 
 Scalar = Union[bool, int, float, str]
 
@@ -193,10 +194,11 @@ CHAT_TEMPLATES = {
 
 
 class TokenizerDef(BaseModel):
-    """mergekit's `tokenizer:` section; only `source` is supported."""
+    """mergekit's `tokenizer:` section: `source` and `pad_to_multiple_of` (per-token `tokens` are not supported)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     source: str = Field(min_length=1)
+    pad_to_multiple_of: Optional[int] = Field(None, ge=1)  # re-indexed embeddings get rows up to a multiple of it
 
 
 class MergeConfig(BaseModel):
@@ -214,12 +216,16 @@ class MergeConfig(BaseModel):
     eval_data: list[str] = Field(default_factory=list)
     eval_tokens: int = Field(8192, ge=16)
     eval_seq_len: int = Field(256, ge=2)
+    data: Optional[str] = None                # calibration text of the data-aware methods (regmean, fisher)
+    text_field: str = Field("text", min_length=1)  # the field holding the text in a .jsonl data file
+    calibration_tokens: int = Field(8192, ge=2)
+    calibration_seq_len: int = Field(512, ge=2)
     out_dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None
     max_shard_size: Union[int, str] = "5GB"
     average_embeddings: bool = True
     embedding_pattern: str = DEFAULT_EMBEDDING_PATTERN
     seed: int = 0
-    tokenizer_source: Optional[str] = None    # "base" or a model spec; mergekit's "union" is refused
+    tokenizer_source: Optional[str] = None    # "base", "union", a merged model or a tokenizer directory
     tokenizer: Optional[TokenizerDef] = None  # mergekit's newer spelling of tokenizer_source
     chat_template: Optional[str] = None       # "auto", a name in CHAT_TEMPLATES, or a Jinja template
 
@@ -247,7 +253,7 @@ class MergeConfig(BaseModel):
     @classmethod
     def _tokenizer(cls, value: Optional[TokenizerDef]) -> Optional[TokenizerDef]:
         if value is not None:
-            _check_tokenizer_source(value.source, "tokenizer.source")
+            value = value.model_copy(update={"source": _check_tokenizer_source(value.source, "tokenizer.source")})
         return value
 
     @field_validator("chat_template")
@@ -344,9 +350,9 @@ class MergeConfig(BaseModel):
         if source not in (None, "base"):
             known = {input_key(m) for m in [*(e.model for e in entries), *([self.base_model] if self.base_model
                                                                             else [])]}
-            if input_key(source) not in known:
+            if source != "union" and input_key(source) not in known and not has_tokenizer_files(Path(source)):
                 problems.add(("tokenizer_source",), f"tokenizer source '{source}' is not one of the merged models "
-                                                    "or the base; the merged embeddings would not match it")
+                                                    "or the base, nor a directory with tokenizer files")
         if self.alpha == "auto":
             if not method.uses_deltas:
                 problems.add(("alpha",), f"alpha: auto needs a task-vector method, not '{method.name}'")
@@ -355,6 +361,13 @@ class MergeConfig(BaseModel):
                                              f"({n} models, {len(self.eval_data)} files)")
         elif self.eval_data:
             problems.add(("eval_data",), "eval_data is only used with alpha: auto")
+        if method.statistics is not None and self.data is None:
+            problems.add(("data",), f"method '{method.name}' needs calibration text: pass --data "
+                                    "(data: in a recipe)")
+        elif method.statistics is None and self.data is not None:
+            data_aware = ", ".join(name for name, m in registry.METHODS.items() if m.statistics is not None)
+            problems.add(("data",), f"data is calibration text for the data-aware methods ({data_aware}), "
+                                    f"not '{method.name}'")
         problems.raise_if_any()
         return self
 
@@ -362,7 +375,8 @@ class MergeConfig(BaseModel):
         return yaml.safe_dump(self.model_dump(mode="json", exclude_defaults=False), sort_keys=False)
 
     def tokenizer_policy(self) -> Optional[str]:
-        """Where the output's tokenizer comes from: None (base, else first model), "base", or a model."""
+        """Which vocabulary the output has: None (no policy: the inputs' tokenizers must agree), "base",
+        "union", or a merged model or tokenizer directory (see `vocab.py`)."""
         return self.tokenizer.source if self.tokenizer is not None else self.tokenizer_source
 
     def input_entries(self) -> list[ModelEntry]:
@@ -461,8 +475,8 @@ class _Shifted:
 def _check_tokenizer_source(value: Optional[str], where: str) -> Optional[str]:
     if value is None:
         return None
-    if value.strip().lower() == "union":
-        raise ValueError(f"{where}: union is not supported yet; use base or the path of one of the merged models")
+    if value.strip().lower() in ("union", "base"):
+        return value.strip().lower()
     if value.strip().startswith("model:"):
         value = value.strip()[len("model:"):].strip()  # mergekit's `model:<path>` form
     return value
@@ -654,7 +668,9 @@ def config_from_options(*, models: list[str], recipe: Optional[str], base: Optio
                         isotropic: bool, alpha: Optional[str], eval_data: list[str],
                         common_frac: Optional[str | float],
                         params: list[str], average_embeddings: Optional[bool], dtype: Optional[str],
-                        max_shard_size: Optional[str], seed: Optional[int]) -> MergeConfig:
+                        max_shard_size: Optional[str], seed: Optional[int], calibration_data: Optional[str] = None,
+                        text_field: Optional[str] = None, calibration_tokens: Optional[int] = None,
+                        tokenizer: Optional[str] = None) -> MergeConfig:
     """Merge CLI flags into a config: flags override the recipe; positional models replace its list."""
     if isotropic and method and method.replace("_", "-") not in ("iso-cts",):
         raise RecipeError(f"--isotropic means --method iso-cts; it conflicts with --method {method}")
@@ -681,9 +697,15 @@ def config_from_options(*, models: list[str], recipe: Optional[str], base: Optio
     if eval_data:
         data["eval_data"] = list(eval_data)
     for key, value in (("base_model", base), ("average_embeddings", average_embeddings), ("out_dtype", dtype),
-                       ("max_shard_size", max_shard_size), ("seed", seed)):
+                       ("max_shard_size", max_shard_size), ("seed", seed), ("data", calibration_data),
+                       ("text_field", text_field), ("calibration_tokens", calibration_tokens)):
         if value is not None:
             data[key] = value
+    if tokenizer is not None:
+        if isinstance(data.get("tokenizer"), dict):  # keep the recipe's other tokenizer settings
+            data["tokenizer"] = {**data["tokenizer"], "source": tokenizer}
+        else:
+            data["tokenizer_source"] = tokenizer
     return validate_config(data, origin=f"recipe '{recipe}' with the command-line flags" if recipe
                            else "command line")
 

@@ -89,6 +89,10 @@ class ParamDef:
 
 # The relative weight most methods take per model; negative weights subtract a task (forgetting).
 WEIGHT = ParamDef("weight", float, 1.0, "relative weight of this model", per_model=True)
+# Methods that weigh models inside a positive-definite system or a ratio of sums (RegMean, Fisher)
+# have no meaning for a subtracted model, so their weights must be positive.
+POSITIVE_WEIGHT = ParamDef("weight", float, 1.0, "relative weight of this model (> 0)", per_model=True, low=0.0,
+                           low_open=True)
 
 
 # α scales the merged task vector. The Iso-C/Iso-CTS paper sweeps 0.2–3.0 and task arithmetic uses

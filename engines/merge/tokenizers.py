@@ -2,8 +2,9 @@
 from their files before any tensor is read.
 
 Merging rows of embedding matrices that index different tokens gives garbled output (mergekit's
-most reported failure), so differing tokenizers are refused unless the config says which
-tokenizer the output carries (`tokenizer_source` / `tokenizer`, and `chat_template` for the
+most reported failure), so differing tokenizers are refused, in one line that says what differs,
+unless the config names a tokenizer policy (`tokenizer_source` / `tokenizer`: base, union or a
+tokenizer directory, under which `vocab.py` aligns the rows by token; `chat_template` for the
 templates). An input without tokenizer files has nothing to compare and is left out.
 """
 
@@ -71,6 +72,38 @@ def _vocab(path: Path) -> Optional[dict[str, int]]:
     return vocab
 
 
+def read_vocabulary(path: Path, facts: Optional[TokenizerFacts] = None) -> Optional[dict[str, int]]:
+    """token -> id of the tokenizer in `path` (None when it has none): from its files, else, for a
+    sentencepiece model alone, from the tokenizer transformers builds from it. `facts` saves
+    reading the files again."""
+    vocab = facts.vocab if facts is not None else _vocab(path)
+    if vocab is not None or not (path / "tokenizer.model").is_file():
+        return vocab
+    from transformers import AutoTokenizer
+
+    try:
+        return dict(AutoTokenizer.from_pretrained(path).get_vocab())
+    except Exception as exc:  # a tokenizer that does not load has no vocabulary to align by
+        raise InputError(f"cannot read the vocabulary of '{path / 'tokenizer.model'}': "
+                         f"{str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}") from exc
+
+
+def added_token_flags(path: Path) -> dict[str, dict[str, Any]]:
+    """The added tokens of `path`'s tokenizer.json, content -> their flags (special, normalized, ...)."""
+    data = _json(path / "tokenizer.json")
+    out: dict[str, dict[str, Any]] = {}
+    for added in (data.get("added_tokens") or []) if isinstance(data, dict) else []:
+        if isinstance(added, dict) and isinstance(added.get("content"), str):
+            out[added["content"]] = {k: v for k, v in added.items()
+                                     if k in ("special", "normalized", "lstrip", "rstrip", "single_word")}
+    return out
+
+
+def has_tokenizer_files(path: Path) -> bool:
+    return path.is_dir() and any((path / name).is_file()
+                                 for name in ("tokenizer.json", "tokenizer.model", "vocab.json"))
+
+
 def _special(path: Path) -> dict[str, str]:
     out: dict[str, str] = {}
     for source in (_json(path / "tokenizer_config.json"), _json(path / "special_tokens_map.json")):
@@ -93,16 +126,27 @@ def tokenizer_facts(spec: str, path: Path) -> TokenizerFacts:
     return TokenizerFacts(spec, vocab, digest, _special(path), stored_chat_template(path))
 
 
+def _examples(tokens: list[str], limit: int = 3) -> str:
+    shown = ", ".join(repr(t) for t in tokens[:limit])
+    return shown + (", ..." if len(tokens) > limit else "")
+
+
 def _vocab_difference(a: TokenizerFacts, b: TokenizerFacts) -> Optional[str]:
     if a.vocab is not None and b.vocab is not None:
         if a.vocab == b.vocab:
             return None
-        differ = sorted(t for t in set(a.vocab) | set(b.vocab) if a.vocab.get(t) != b.vocab.get(t))
-        token = differ[0]
-        where = lambda f: f"id {f.vocab[token]}" if token in f.vocab else "missing"  # noqa: E731
-        plural = "s" if len(differ) != 1 else ""
-        return (f"vocabularies differ in {len(differ)} token{plural} ({len(a.vocab)} in '{a.spec}', {len(b.vocab)} in "
-                f"'{b.spec}'; e.g. {token!r} is {where(a)} in '{a.spec}' and {where(b)} in '{b.spec}')")
+        only_a = sorted((t for t in a.vocab if t not in b.vocab), key=a.vocab.__getitem__)
+        only_b = sorted((t for t in b.vocab if t not in a.vocab), key=b.vocab.__getitem__)
+        moved = sorted(t for t in a.vocab if t in b.vocab and a.vocab[t] != b.vocab[t])
+        n = len(only_a) + len(only_b) + len(moved)
+        parts = [f"{len(only)} token{'s' if len(only) != 1 else ''} only in '{f.spec}' ({_examples(only)})"
+                 for only, f in ((only_b, b), (only_a, a)) if only]
+        if moved:
+            token = moved[0]
+            parts.append(f"{len(moved)} at other ids (e.g. {token!r} is id {a.vocab[token]} in '{a.spec}' and id "
+                         f"{b.vocab[token]} in '{b.spec}')")
+        return (f"vocabularies differ in {n} token{'s' if n != 1 else ''} ({len(a.vocab)} in '{a.spec}', "
+                f"{len(b.vocab)} in '{b.spec}'): {', '.join(parts)}")
     if a.vocab_digest is not None and b.vocab_digest is not None and a.vocab_digest != b.vocab_digest:
         return f"the sentencepiece models of '{a.spec}' and '{b.spec}' differ"
     return None
@@ -134,7 +178,8 @@ def check_tokenizers(facts: list[TokenizerFacts], *, tokenizer_policy: Optional[
         if problems:
             break
     if problems:
-        fix = "set tokenizer_source (base or one of the models)" if tokenizer_policy is None else ""
+        fix = "set tokenizer_source (or --tokenizer) to base, union or a tokenizer directory" \
+            if tokenizer_policy is None else ""
         if any("chat templates" in p for p in problems):
             fix = " and ".join(x for x in (fix, "chat_template (auto, a name or a template)") if x)
         raise TokenizerMismatchError(f"the inputs' tokenizers differ: {'; '.join(problems)}; {fix} to choose "

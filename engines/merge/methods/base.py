@@ -35,6 +35,9 @@ class TensorJob:
     model_params: list[dict[str, Any]] = field(default_factory=list)  # one dict per input model, same
     seed: int = 0                     # per-tensor seed for random methods (stable across runs)
     base: Optional[torch.Tensor] = None  # the base tensor in float32 on the compute device, when there is one
+    # Data-aware methods only: each input's calibration statistic for this tensor, aligned with the
+    # tensors, on the compute device (see `statistics`); None when any input has none for it.
+    statistics: Optional[list[torch.Tensor]] = None
 
 
 class MergeMethod(ABC):
@@ -45,6 +48,9 @@ class MergeMethod(ABC):
     max_models: ClassVar[int | None] = None
     reference: ClassVar[str] = ""
     base_role: ClassVar[Literal["base", "input", "none"]] = "base"
+    # What a data-aware method learns from calibration text, per input model, before merging:
+    # "gram" (each linear layer's input Gram XᵀX / n) or "fisher" (the diagonal Fisher); None: no data.
+    statistics: ClassVar[Optional[Literal["gram", "fisher"]]] = None
 
     def parameters(self) -> list[ParamDef]:
         return []

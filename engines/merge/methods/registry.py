@@ -8,6 +8,7 @@ from mlxkit.engines.merge.methods.base import MergeMethod
 from mlxkit.engines.merge.methods.breadcrumbs import Breadcrumbs
 from mlxkit.engines.merge.methods.dare import Dare
 from mlxkit.engines.merge.methods.della import Della
+from mlxkit.engines.merge.methods.fisher import Fisher
 from mlxkit.engines.merge.methods.iso_c import IsoC
 from mlxkit.engines.merge.methods.iso_cts import IsoCTS
 from mlxkit.engines.merge.methods.karcher import Karcher
@@ -18,6 +19,7 @@ from mlxkit.engines.merge.methods.nearswap import NearSwap
 from mlxkit.engines.merge.methods.nuslerp import NuSlerp
 from mlxkit.engines.merge.methods.passthrough import Passthrough
 from mlxkit.engines.merge.methods.ram import Ram
+from mlxkit.engines.merge.methods.regmean import RegMean
 from mlxkit.engines.merge.methods.sce import Sce
 from mlxkit.engines.merge.methods.slerp import Slerp
 from mlxkit.engines.merge.methods.task_arithmetic import TaskArithmetic
@@ -30,6 +32,7 @@ METHODS: dict[str, MergeMethod] = {m.name: m for m in [
     Breadcrumbs("breadcrumbs-ties", consensus=True), Della("della", consensus=True),
     Della("della-linear", consensus=False), Sce(), ModelStock(), ArceeFusion(), Linear(), Slerp(), NuSlerp(),
     MultiSlerp(), Karcher(), Passthrough(), NearSwap(), Ram("ram"), Ram("ramplus-tl", plus=True),
+    RegMean(), Fisher(),
 ]}
 
 
