@@ -8,7 +8,8 @@ Problems (Dirichlet boundary, n x n nodes):
   poisson5  5-point Laplacian (4 on the diagonal, -1 to the 4 neighbours)
   varcoef9  variable-coefficient 9-point operator: a_ij = -w (c_i + c_j) / 2 with a log-normal field c
             (w = 1 on axes, 1/2 on diagonals), diagonal = sum of |a_ij| with ghost neighbours: SPD
-Solvers: ssi (fp64, factor + solve; re-solve with the cached factors), spsolve (SuperLU, COLAMD),
+Solvers: ssi (fp64, factor + solve; re-solve with the cached factors), ssi32 (`factorized(A,
+dtype="float32")`: the float32 factor, each solve refined in float64 to its default 3 steps), spsolve (SuperLU, COLAMD),
 splu (SuperLU, MMD_AT_PLUS_A: the fastest ordering on these problems), pardiso (pypardiso, first call and
 a cached re-solve), pyamg (smoothed aggregation setup + CG solve to a relative residual of 1e-10).
 `--batch` adds the throughput test: 64 varcoef9 systems at 257^2, one batched SSI call vs a SciPy loop.
@@ -29,7 +30,7 @@ import time
 
 import numpy as np
 
-SOLVERS = ("ssi", "spsolve", "splu", "pardiso", "pyamg")
+SOLVERS = ("ssi", "ssi32", "spsolve", "splu", "pardiso", "pyamg")
 PROBLEMS = ("poisson5", "varcoef9")
 # (solver, size) pairs skipped up front, with the reason printed in the table.
 SKIP = {
@@ -75,6 +76,10 @@ def _warm_up(solver: str) -> None:
         from mlxkit.engines.solve.ssi import SSIFactor
 
         SSIFactor(torch.from_numpy(s)).solve(torch.from_numpy(b.reshape(17, 17)))
+    elif solver == "ssi32":
+        from mlxkit.engines.solve.matrix import factorized
+
+        factorized(a, dtype="float32")(b)
     elif solver == "pardiso":
         import pypardiso
 
@@ -127,6 +132,18 @@ def worker(solver: str, kind: str, n: int) -> dict:
         out["resolve_residual"] = float(np.linalg.norm(a @ x2 - b2) / np.linalg.norm(b2))
         out["factor_gb"] = f.nbytes() / 1e9
         out["profile"] = f.profile
+    elif solver == "ssi32":
+        from mlxkit.engines.solve.matrix import factorized
+
+        f = factorized(a, dtype="float32")
+        out["factor_s"] = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        x = f(b)
+        out["solve_s"] = time.perf_counter() - t1
+        t2 = time.perf_counter()
+        x2 = f(b2)
+        out["resolve_s"] = time.perf_counter() - t2
+        out["resolve_residual"] = float(np.linalg.norm(a @ x2 - b2) / np.linalg.norm(b2))
     elif solver == "spsolve":
         x = spla.spsolve(a.tocsc(), b)
     elif solver == "splu":
