@@ -40,6 +40,8 @@ def _render(rows: list[dict]) -> None:
     for row in rows:
         table.add_row(row["verb"], row["name"], row["description"], row["path"])
     console.print(table)
+    # A merge is configured by its method rather than by a recipe, so the methods are listed here too.
+    _render_methods(_merge_methods())
 
 
 def _merge_methods() -> list[dict]:

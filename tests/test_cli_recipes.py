@@ -61,5 +61,6 @@ def test_methods_lists_every_mergekit_method_with_a_name_the_config_accepts():
         config = validate_config({"merge_method": name, "base_model": "b", "models": [{"model": "a"}],
                                   "parameters": params})
         assert config.merge_method
-    table = runner.invoke(app, ["recipes", "--methods"])
-    assert table.exit_code == 0 and "nearswap" in table.output
+    for args in (["recipes", "--methods"], ["recipes"]):
+        table = runner.invoke(app, args)
+        assert table.exit_code == 0 and "nearswap" in table.output and "regmean" in table.output
