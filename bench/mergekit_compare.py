@@ -114,7 +114,7 @@ def max_rel_diff(ours: Path, theirs: Path) -> tuple[float, str]:
     return worst, where
 
 
-def run_fixtures(work: Path, mergekit: str, mlx: str, env: dict) -> dict:
+def run_fixtures(work: Path, mergekit: str, mlx: str, env: dict, only: set[str] | None = None) -> dict:
     import re
 
     sys.path.insert(0, str(ROOT / "tests"))
@@ -128,6 +128,8 @@ def run_fixtures(work: Path, mergekit: str, mlx: str, env: dict) -> dict:
     results = {}
     for fixture in sorted(FIXTURES.glob("*.yml")):
         name = fixture.stem
+        if only and name not in only:
+            continue
         cfg = work / f"{name}.yml"
         cfg.write_text(re.sub(r"^dtype: .*$", "dtype: float32", fixture.read_text(), flags=re.M))
         theirs, ours = work / f"mergekit-{name}", work / f"mlx-{name}"
@@ -172,13 +174,15 @@ def main() -> None:
     ap.add_argument("--methods", default="task_arithmetic,ties")
     ap.add_argument("--json", default=None)
     ap.add_argument("--fixtures", action="store_true", help="compare on the mergekit fixtures, tiny random models")
+    ap.add_argument("--only", default="", help="with --fixtures: these fixtures only (comma-separated names)")
     args = ap.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     if args.fixtures:
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
         results = run_fixtures(work, str(Path(args.mergekit_venv) / "bin" / "mergekit-yaml"),
-                               str(Path(sys.executable).parent / "mlx"), env)
+                               str(Path(sys.executable).parent / "mlx"), env,
+                               set(filter(None, args.only.split(","))) or None)
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=2))
         return
