@@ -25,6 +25,20 @@ def _search(library, text_file, out, *extra):
                                "--out", str(out), "--gkd-tokens", str(4 * 4 * 32), *GKD, "--json", *extra])
 
 
+def _interrupt_gkd_after(steps: int, monkeypatch):
+    """Make GKD raise KeyboardInterrupt once `steps` steps ran; returns the original step to restore."""
+    original, calls = DistillationRun.train_step, []
+
+    def failing_step(self, step):
+        if len(calls) == steps:
+            raise KeyboardInterrupt
+        calls.append(step)
+        return original(self, step)
+
+    monkeypatch.setattr(DistillationRun, "train_step", failing_step)
+    return original
+
+
 def _weights(path):
     return {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
 
@@ -44,15 +58,7 @@ def test_one_command_gives_a_distilled_child_and_resumes_where_it_stopped(built_
 
     # interrupted after two GKD steps: the assembled child and the checkpoint stay, the output does not exist
     interrupted = tmp_path / "interrupted"
-    original, calls = DistillationRun.train_step, []
-
-    def failing_step(self, step):
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        calls.append(step)
-        return original(self, step)
-
-    monkeypatch.setattr(DistillationRun, "train_step", failing_step)
+    original = _interrupt_gkd_after(2, monkeypatch)
     assert _search(built_library, text_file, interrupted).exit_code == 130
     assert (search_work_dir(interrupted) / "child-before-gkd").exists()
     assert (work_dir_for(interrupted) / "checkpoint").exists() and not interrupted.exists()
@@ -72,15 +78,7 @@ def test_other_choices_reassemble_the_staged_child_and_restart_its_gkd(built_lib
     reference = _search(built_library, text_file, straight, "--throughput", "1.6x")
     assert reference.exit_code == 0, reference.output
     out = tmp_path / "out"
-    original, calls = DistillationRun.train_step, []
-
-    def failing_step(self, step):
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        calls.append(step)
-        return original(self, step)
-
-    monkeypatch.setattr(DistillationRun, "train_step", failing_step)
+    original = _interrupt_gkd_after(2, monkeypatch)
     assert _search(built_library, text_file, out).exit_code == 130  # 1.3x: another child
     staged = json.loads((search_work_dir(out) / "child-before-gkd" / "mlxkit.json").read_text())["results"]
     assert staged["choices"] != json.loads(reference.stdout)["choices"]
