@@ -87,3 +87,15 @@ def test_mlx_merge_checks_its_output_unless_told_not_to(models, tmp_path):
     done = runner.invoke(app, ["merge", "--method", "linear", str(a), str(b), "-o", str(missing), "--check",
                                str(tmp_path / "nope.txt")])
     assert done.exit_code != 0 and "nope.txt" in done.output and not missing.exists()
+
+
+def test_a_model_too_large_for_the_device_skips_the_check(models, monkeypatch):
+    import mlxkit.engines.training.budget as budget
+
+    a, b, merged = models
+    stored = sum(f.stat().st_size for f in merged.glob("*.safetensors"))
+    monkeypatch.setattr(budget, "device_memory_bytes", lambda device: stored)  # the model alone is the whole memory
+    reporter = recording_reporter()
+    report = check_merge(merged, [str(a), str(b)], device="cpu", reporter=reporter)
+    assert "skipped" in report and "mlx eval" in report["skipped"]
+    assert any(line.startswith("check skipped") for line in reporter.lines)

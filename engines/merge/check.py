@@ -60,6 +60,10 @@ def check_merge(merged: Path, inputs: list[str], text: Path | None = None, *, de
 
     reporter = reporter or Reporter()
     placement = Placement.resolve(device, "auto")
+    skipped = _too_large(Path(merged), placement)
+    if skipped:
+        reporter.notice(f"check skipped: {skipped}")
+        return {"skipped": skipped}
     texts = read_texts(text) if text is not None else [DEFAULT_TEXT]
     rows: list[dict[str, Any]] = []
     for role, spec in [("merged", str(merged)), *(("input", s) for s in inputs)]:
@@ -92,6 +96,31 @@ def check_merge(merged: Path, inputs: list[str], text: Path | None = None, *, de
                         f"{'not finite' if ratio is None else f'{ratio:.1f}x the best input'}'s "
                         f"({_shown(best)}): the merge may be broken")
     return report
+
+
+def _too_large(merged: Path, placement) -> str | None:
+    """Why the check cannot run here (one model in the compute dtype would take over half the device's
+    memory), or None. Models are loaded whole, one at a time."""
+    import torch
+
+    from mlxkit.engines.training.budget import device_memory_bytes
+
+    from safetensors import safe_open
+
+    files = sorted(merged.glob("*.safetensors"))
+    if not files:
+        return None
+    stored = sum(f.stat().st_size for f in files)
+    with safe_open(str(files[0]), "pt") as handle:
+        names = list(handle.keys())
+        stored_bits = {"F64": 64, "F32": 32, "BF16": 16, "F16": 16}.get(
+            handle.get_slice(names[0]).get_dtype(), 32) if names else 32
+    need = int(stored * torch.finfo(placement.dtype).bits / stored_bits)
+    have = device_memory_bytes(placement.device)
+    if have is not None and need > have // 2:
+        return (f"one model takes about {need / 2**30:.1f} GiB in {str(placement.dtype).removeprefix('torch.')} "
+                f"and {placement.device} has {have / 2**30:.1f} GiB; run `mlx eval` on the output instead")
+    return None
 
 
 def _finite(x: float) -> float | None:
