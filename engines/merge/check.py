@@ -12,6 +12,7 @@ gives the user's own (a file or a folder, as `--data` elsewhere).
 from __future__ import annotations
 
 import gc
+import math
 from pathlib import Path
 from typing import Any
 
@@ -103,19 +104,12 @@ def _too_large(merged: Path, placement) -> str | None:
     memory), or None. Models are loaded whole, one at a time."""
     import torch
 
+    from mlxkit.engines.io.safetensors_header import read_safetensors_header
     from mlxkit.engines.training.budget import device_memory_bytes
 
-    from safetensors import safe_open
-
-    files = sorted(merged.glob("*.safetensors"))
-    if not files:
-        return None
-    stored = sum(f.stat().st_size for f in files)
-    with safe_open(str(files[0]), "pt") as handle:
-        names = list(handle.keys())
-        stored_bits = {"F64": 64, "F32": 32, "BF16": 16, "F16": 16}.get(
-            handle.get_slice(names[0]).get_dtype(), 32) if names else 32
-    need = int(stored * torch.finfo(placement.dtype).bits / stored_bits)
+    elements = sum(math.prod(entry.shape) for f in merged.glob("*.safetensors")
+                   for entry in read_safetensors_header(f).tensors.values())
+    need = elements * torch.finfo(placement.dtype).bits // 8
     have = device_memory_bytes(placement.device)
     if have is not None and need > have // 2:
         return (f"one model takes about {need / 2**30:.1f} GiB in {str(placement.dtype).removeprefix('torch.')} "
@@ -124,8 +118,6 @@ def _too_large(merged: Path, placement) -> str | None:
 
 
 def _finite(x: float) -> float | None:
-    import math
-
     return round(x, 4) if math.isfinite(x) else None
 
 

@@ -190,9 +190,9 @@ def calibration_statistics(config: "MergeConfig", kind: StatisticsKind, inputs: 
     return gather_statistics(kind, inputs, blocks, device, reporter, skip=skip)
 
 
-def statistics_path(model: MergeInput, kind: StatisticsKind, blocks: torch.Tensor) -> Path:
-    """Where the `kind` statistics of `model` on the token ids `blocks` are (or will be) stored."""
-    return cache_dir() / "merge-statistics" / f"{_digest(_cache_key(model, kind, blocks))}-{kind}.safetensors"
+def _path_for(key: dict[str, Any]) -> Path:
+    """Where the statistics of one model, kind and token ids (`_cache_key`) are, or will be, stored."""
+    return cache_dir() / "merge-statistics" / f"{_digest(key)}-{key['kind']}.safetensors"
 
 
 def gather_statistics(kind: StatisticsKind, inputs: list[MergeInput], blocks: list[torch.Tensor],
@@ -206,7 +206,8 @@ def gather_statistics(kind: StatisticsKind, inputs: list[MergeInput], blocks: li
     _require_full_models(kind, inputs)
     stored = []
     for inp, ids in zip(inputs, blocks, strict=True):
-        path = statistics_path(inp, kind, ids)
+        key = _cache_key(inp, kind, ids)
+        path = _path_for(key)
         if path.exists():
             reporter.notice(f"calibration statistics ({kind}) of {inp.spec}: reusing {path}")
         else:
@@ -219,7 +220,7 @@ def gather_statistics(kind: StatisticsKind, inputs: list[MergeInput], blocks: li
             finally:
                 del model
                 gc.collect()
-            _write(path, tensors, _cache_key(inp, kind, ids), inp.spec)
+            _write(path, tensors, key, inp.spec)
             reporter.notice(f"calibration statistics ({kind}) of {inp.spec}: {ids.numel()} tokens, "
                             f"stored at {path}")
         stored.append(ModelStatistics(path, kind, skip))
