@@ -35,6 +35,9 @@ PROBLEMS = ("poisson5", "varcoef9")
 # (solver, size) pairs skipped up front, with the reason printed in the table.
 SKIP = {
     ("spsolve", 2049): "COLAMD SuperLU: ~30 s at 1025^2 growing ~8x per doubling (>200 s estimated from that growth)",
+    ("spsolve", 4097): "COLAMD SuperLU: >1,600 s estimated (~8x per doubling from 2049^2)",
+    ("splu", 4097): "SuperLU: 58-70 s and 6.9-9.1 GB at 2049^2, growing ~8x in time and ~4x in memory per doubling "
+                    "(~500 s, ~30 GB estimated)",
 }
 
 
@@ -144,6 +147,7 @@ def worker(solver: str, kind: str, n: int) -> dict:
         x2 = f(b2)
         out["resolve_s"] = time.perf_counter() - t2
         out["resolve_residual"] = float(np.linalg.norm(a @ x2 - b2) / np.linalg.norm(b2))
+        out["factor_gb"] = f.nbytes() / 1e9
     elif solver == "spsolve":
         x = spla.spsolve(a.tocsc(), b)
     elif solver == "splu":
@@ -209,11 +213,17 @@ def batch_worker(count: int, n: int) -> dict:
             "ssi_residual": float(res_ssi), "scipy_residual": float(res_sp), "peak_rss_gb": _rss_gb()}
 
 
-def _spawn(args: list[str], timeout: float, system_malloc: bool) -> dict:
+def _spawn(args: list[str], timeout: float, system_malloc: bool, memory_limit_gb: float | None = None) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", *args]
     env = dict(os.environ, **({"BENCH_SYSTEM_MALLOC": "1"} if system_malloc else {}))
+
+    def limit_memory() -> None:  # an allocation past the limit fails in the worker, not in the kernel's OOM killer
+        if memory_limit_gb:
+            size = int(memory_limit_gb * 2**30)
+            resource.setrlimit(resource.RLIMIT_AS, (size, size))
+
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, preexec_fn=limit_memory)
     except subprocess.TimeoutExpired:
         return {"skipped": f"timed out after {timeout:.0f} s"}
     if done.returncode != 0:
@@ -230,6 +240,8 @@ def main() -> None:
     parser.add_argument("--batch", action="store_true", help="also run the 64 x 257^2 throughput test")
     parser.add_argument("--json", help="write all results to this file")
     parser.add_argument("--system-malloc", action="store_true", help="leave glibc's allocator at its defaults")
+    parser.add_argument("--memory-limit", type=float, metavar="GiB",
+                        help="address-space limit per run (RLIMIT_AS): a run that needs more fails with its error")
     parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -246,7 +258,8 @@ def main() -> None:
         for kind in args.problems.split(","):
             for solver in args.solvers.split(","):
                 r = {"skipped": SKIP[(solver, n)]} if (solver, n) in SKIP else _spawn([solver, kind, str(n)],
-                                                                                       args.timeout, args.system_malloc)
+                                                                                       args.timeout, args.system_malloc,
+                                                                                       args.memory_limit)
                 r.update(solver=solver, problem=kind, n=n)
                 results.append(r)
                 if "skipped" in r:
@@ -256,7 +269,7 @@ def main() -> None:
                 print(f"| {kind} | {n}² | {solver} | {fmt('total_s')} | {fmt('factor_s')} | {fmt('solve_s')} | "
                       f"{fmt('resolve_s')} | {r['peak_rss_gb']:.2f} | {r['residual']:.1e} |", flush=True)
     if args.batch:
-        r = _spawn(["batch", "64", "257"], args.timeout, args.system_malloc)
+        r = _spawn(["batch", "64", "257"], args.timeout, args.system_malloc, args.memory_limit)
         results.append({"batch": r})
         print(f"\nbatch 64 x 257² varcoef9: {json.dumps(r)}")
     print(f"load average after the run: {os.getloadavg()[0]:.1f}")

@@ -29,7 +29,7 @@ def solve_command(
     refine: Annotated[Optional[int], typer.Option("--refine", min=0, help="At most N iterative-refinement "
                                                   "steps: residual b - Ax in float64 with the sparse A, "
                                                   "correction solved with the factor; stops once a step no "
-                                                  "longer halves the residual. Default: 3 with --dtype "
+                                                  "longer halves the residual. Default: 8 with --dtype "
                                                   "float32, else 0.", metavar="N")] = None,
     leaf: Annotated[int, typer.Option("--leaf", min=1, help="Minimum cells per SSI leaf-patch side.")] = 4,
     device: Annotated[str, typer.Option("--device", help="Where SSI factorises and solves: auto (CUDA when "

@@ -10,6 +10,8 @@ Conventions (used by every module of `engines/solve`):
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import numpy as np
 import scipy.sparse as sp
 import torch
@@ -19,18 +21,42 @@ from mlxkit.engines.errors import InputError
 OFFSETS = [(dy, dx) for dy in (-1, 0, 1) for dx in (-1, 0, 1)]
 
 
-def _coords(n_rows: int, n_cols: int, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+# Rows per pass over a matrix's entries: the int64 coordinates of one pass stay ~100 MB, where the
+# whole of a 4097^2 9-point matrix's would be several GB.
+_ROWS_PER_PASS = 1 << 20
+
+
+def _entries(a: sp.spmatrix) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """(rows, cols, values) of `a`'s nonzero stored entries, as int64 indices, a block of rows at a time.
+
+    Stored zeros are skipped: they may sit anywhere (a DIA matrix's padding). Duplicates are kept.
+    """
+    csr = a.tocsr()
+    indptr = csr.indptr
+    for lo in range(0, csr.shape[0], _ROWS_PER_PASS):
+        hi = min(csr.shape[0], lo + _ROWS_PER_PASS)
+        start, stop = int(indptr[lo]), int(indptr[hi])
+        rows = np.repeat(np.arange(lo, hi, dtype=np.int64), np.diff(indptr[lo:hi + 1]))
+        cols = csr.indices[start:stop].astype(np.int64)
+        values = csr.data[start:stop]
+        nz = values != 0
+        yield rows[nz], cols[nz], values[nz]
+
+
+def _coords(n_rows: np.ndarray, n_cols: np.ndarray, width: int) -> tuple[np.ndarray, ...]:
     return n_rows // width, n_rows % width, n_cols // width, n_cols % width
+
+
+def _fits(rows: np.ndarray, cols: np.ndarray, width: int) -> bool:
+    ry, rx, cy, cx = _coords(rows, cols, width)
+    return bool(np.all(np.abs(ry - cy) <= 1) and np.all(np.abs(rx - cx) <= 1))
 
 
 def fits_grid(a: sp.spmatrix, height: int, width: int) -> bool:
     """Whether every stored nonzero of `a` couples nodes at most one step apart on an H x W grid."""
     if a.shape != (height * width, height * width):
         return False
-    coo = sp.coo_matrix(a)
-    nz = coo.data != 0
-    ry, rx, cy, cx = _coords(coo.row[nz].astype(np.int64), coo.col[nz].astype(np.int64), width)
-    return bool(np.all(np.abs(ry - cy) <= 1) and np.all(np.abs(rx - cx) <= 1))
+    return all(_fits(rows, cols, width) for rows, cols, _ in _entries(a))
 
 
 def infer_grid(a: sp.spmatrix) -> tuple[int, int] | None:
@@ -51,13 +77,13 @@ def infer_grid(a: sp.spmatrix) -> tuple[int, int] | None:
     n = a.shape[0]
     if a.shape[0] != a.shape[1] or n < 4:
         return None
-    coo = sp.coo_matrix(a)
-    nz = coo.data != 0
-    offsets = np.unique(np.abs(coo.col[nz].astype(np.int64) - coo.row[nz].astype(np.int64)))
-    if offsets.size > 5:
-        # A grid matrix has at most 0, 1, W-1, W, W+1; without this exit a general sparse matrix with
-        # thousands of distinct offsets would pay one O(nnz) fit per candidate width.
-        return None
+    offsets = np.zeros(0, dtype=np.int64)
+    for rows, cols, _ in _entries(a):
+        offsets = np.union1d(offsets, np.unique(np.abs(cols - rows)))
+        if offsets.size > 5:
+            # A grid matrix has at most 0, 1, W-1, W, W+1; without this exit a general sparse matrix with
+            # thousands of distinct offsets would pay one O(nnz) fit per candidate width.
+            return None
     tried: set[int] = set()
     for d in offsets[offsets > 1]:
         for width in (int(d), int(d) - 1, int(d) + 1):
@@ -71,14 +97,24 @@ def infer_grid(a: sp.spmatrix) -> tuple[int, int] | None:
 
 def csr_to_stencil(a: sp.spmatrix, height: int, width: int) -> np.ndarray:
     """The `[H, W, 3, 3]` stencil of a grid matrix (duplicates summed). Raises InputError if it does not fit."""
-    if not fits_grid(a, height, width):
+    if a.shape != (height * width, height * width):
         raise InputError(f"matrix is not a 9-point matrix on a {height}x{width} grid")
-    coo = sp.coo_matrix(a)
-    nz = coo.data != 0  # stored zeros may sit anywhere (a DIA matrix's padding): fits_grid ignores them too
-    ry, rx, cy, cx = _coords(coo.row[nz].astype(np.int64), coo.col[nz].astype(np.int64), width)
-    stencil = np.zeros((height, width, 3, 3), dtype=np.result_type(coo.data.dtype, np.float64))
-    np.add.at(stencil, (ry, rx, cy - ry + 1, cx - rx + 1), coo.data[nz])
-    return stencil
+    stencil = np.zeros((height * width, 9), dtype=np.result_type(a.dtype, np.float64))
+    flat = stencil.reshape(-1)
+    for rows, cols, values in _entries(a):
+        if not _fits(rows, cols, width):
+            raise InputError(f"matrix is not a 9-point matrix on a {height}x{width} grid")
+        if rows.size == 0:
+            continue
+        ry, rx, cy, cx = _coords(rows, cols, width)
+        where = rows * 9 + 3 * (cy - ry + 1) + (cx - rx + 1)
+        if np.iscomplexobj(values):
+            np.add.at(flat, where, values)
+            continue
+        # bincount sums duplicates as np.add.at does, ~20x faster; over this pass's rows only.
+        first = int(where.min())
+        flat[first:first + (int(where.max()) - first + 1)] += np.bincount(where - first, weights=values)
+    return stencil.reshape(height, width, 3, 3)
 
 
 def stencil_mask(height: int, width: int) -> np.ndarray:
@@ -118,3 +154,33 @@ def apply_stencil(stencil: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         for ix in range(3):
             out = out + stencil[..., iy, ix, None] * padded[:, iy:iy + height, ix:ix + width, :]
     return out
+
+
+def is_symmetric_stencil(stencil: torch.Tensor, rtol: float = 0.0) -> bool:
+    """Whether every system of `stencil` ``[B, H, W, 3, 3]`` is a symmetric matrix.
+
+    ``A[k(y, x), k(y + dy, x + dx)]`` must equal ``A[k(y + dy, x + dx), k(y, x)]`` for every pair inside
+    the grid, to within ``rtol`` times the system's largest entry (0: exactly).
+
+    Examples
+    --------
+    >>> s = torch.zeros(1, 3, 4, 3, 3, dtype=torch.float64); s[..., 1, 1] = 4.0; s[..., 1, 2] = -1.0
+    >>> is_symmetric_stencil(s)
+    False
+    >>> s[..., 1, 0] = -1.0
+    >>> is_symmetric_stencil(s)
+    True
+    """
+    height, width = stencil.shape[1], stencil.shape[2]
+    scale = stencil.abs().amax(dim=(1, 2, 3, 4)) * rtol
+    for dy, dx in OFFSETS:
+        if (dy, dx) <= (0, 0):  # each pair is checked once, from its upper (or left) node
+            continue
+        rows = slice(max(0, -dy), height - max(0, dy))
+        cols = slice(max(0, -dx), width - max(0, dx))
+        there = stencil[:, rows, cols, 1 + dy, 1 + dx]
+        back = stencil[:, max(0, dy):height - max(0, -dy), max(0, dx):width - max(0, -dx), 1 - dy, 1 - dx]
+        gap = (there - back).abs().flatten(1).amax(1) if there.numel() else scale * 0
+        if bool((gap > scale).any()):
+            return False
+    return True

@@ -22,6 +22,11 @@ T = TypeVar("T")
 
 # Order from which a batch is factorised matrix by matrix (see the module docstring).
 _LOOP_FROM = 64
+# Work memory of one range of blocks (`BlockWorkers.split`): the dense matrices a range assembles
+# live at once, so bounding them bounds the factorisation's transient peak (at 2049^2 in float64
+# the leaf step alone would otherwise assemble 1.4 GB of patch matrices at once). Each range is
+# also a piece that solves loop over, so the bound is a few hundred MiB rather than a few MiB.
+CHUNK_BYTES = 256 * 2**20
 
 
 def lu_factor(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -94,9 +99,11 @@ class BlockWorkers:
         torch.set_num_threads(1)
         torch.set_flush_denormal(flush_denormal)
 
-    def split(self, count: int) -> list[tuple[int, int]]:
-        """Contiguous ranges covering 0..count, one per worker (fewer when there are fewer items)."""
+    def split(self, count: int, item_bytes: int = 0) -> list[tuple[int, int]]:
+        """Contiguous ranges covering 0..count: one per worker, more when a range's work memory
+        (`item_bytes` per item) would pass `CHUNK_BYTES`; never more ranges than items."""
         parts = min(self.workers, count) if self._pool is not None else 1
+        parts = min(max(parts, -(-count * item_bytes // CHUNK_BYTES)), max(1, count))
         edges = [count * k // max(1, parts) for k in range(parts + 1)]
         return [(lo, hi) for lo, hi in zip(edges[:-1], edges[1:])] or [(0, 0)]
 

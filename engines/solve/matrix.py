@@ -43,10 +43,11 @@ METHODS = ("auto", "ssi", "superlu", "pardiso")
 RESIDUAL_LIMIT = {"float64": 1e-6, "float32": 1e-2}
 # Refinement steps when none are asked for. A float32 SSI solve of Poisson leaves ~3e-6 and each step
 # gains ~5 digits (measured, random b: 65^2 1.9e-6, 8.3e-12, 1.4e-15 vs 4.0e-15 for the float64 solve;
-# 257^2 3.8e-6, 6.2e-11, 3.9e-15 vs 7.5e-15), so two steps reach float64 level and the third is for
-# larger grids, whose condition grows like N; the loop stops once a step no longer halves the
-# residual, so the spare step costs at most one solve.
-DEFAULT_REFINE = {"float64": 0, "float32": 3}
+# 257^2 3.8e-6, 6.2e-11, 3.9e-15 vs 7.5e-15), so two steps reach float64 level on small grids. The
+# condition grows like N, and each step gains less on larger grids (4097^2 Poisson: 5.6e-10 after
+# three). The loop stops once a step no longer halves the residual, so the spare steps of a small
+# grid cost at most one solve.
+DEFAULT_REFINE = {"float64": 0, "float32": 8}
 # SciPy's spelling of a solve with A (N) or its transpose (T); H is T for a real matrix.
 TRANS = {"N": False, "T": True, "H": True}
 # Values per dense column block when a sparse right-hand side is solved (32 MiB of float64).
@@ -74,7 +75,7 @@ class SolveOptions:
     refine : int >= 0, optional
         At most this many iterative-refinement steps per solve (residual in float64 with the sparse A,
         correction solved with the factor); stops early once a step no longer halves the residual.
-        Default: `DEFAULT_REFINE` of the factor's precision (3 for float32, 0 for float64).
+        Default: `DEFAULT_REFINE` of the factor's precision (at most 8 for float32, 0 for float64).
     leaf : int >= 1
         Minimum cells per SSI leaf-patch side.
     device : "cpu" | "cuda" | "cuda:N" | "auto"
