@@ -43,13 +43,23 @@ def _entries(a: sp.spmatrix) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarra
         yield rows[nz], cols[nz], values[nz]
 
 
-def _coords(n_rows: np.ndarray, n_cols: np.ndarray, width: int) -> tuple[np.ndarray, ...]:
-    return n_rows // width, n_rows % width, n_cols // width, n_cols % width
+def _steps(rows: np.ndarray, cols: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(dy, dx, fits) of each entry: the grid step from its row's node to its column's, and whether
+    that step is one of the nine of a 9-point stencil (an offset of W + 1 may also be a wrap-around)."""
+    d = cols - rows
+    dy = np.where(d > 1, 1, np.where(d < -1, -1, 0))
+    dx = d - dy * width
+    x = rows % width  # the one integer division per entry: the row's column on the grid
+    fits = (np.abs(dx) <= 1) & (x + dx >= 0) & (x + dx < width)
+    if width <= 2:  # d = ±1 can then also be a step between rows: decide by the row index itself
+        y_step = cols // width - rows // width
+        dy, dx = y_step, cols % width - x
+        fits = (np.abs(dy) <= 1) & (np.abs(dx) <= 1)
+    return dy, dx, fits
 
 
 def _fits(rows: np.ndarray, cols: np.ndarray, width: int) -> bool:
-    ry, rx, cy, cx = _coords(rows, cols, width)
-    return bool(np.all(np.abs(ry - cy) <= 1) and np.all(np.abs(rx - cx) <= 1))
+    return bool(_steps(rows, cols, width)[2].all())
 
 
 def fits_grid(a: sp.spmatrix, height: int, width: int) -> bool:
@@ -102,12 +112,12 @@ def csr_to_stencil(a: sp.spmatrix, height: int, width: int) -> np.ndarray:
     stencil = np.zeros((height * width, 9), dtype=np.result_type(a.dtype, np.float64))
     flat = stencil.reshape(-1)
     for rows, cols, values in _entries(a):
-        if not _fits(rows, cols, width):
-            raise InputError(f"matrix is not a 9-point matrix on a {height}x{width} grid")
         if rows.size == 0:
             continue
-        ry, rx, cy, cx = _coords(rows, cols, width)
-        where = rows * 9 + 3 * (cy - ry + 1) + (cx - rx + 1)
+        dy, dx, fits = _steps(rows, cols, width)
+        if not fits.all():
+            raise InputError(f"matrix is not a 9-point matrix on a {height}x{width} grid")
+        where = rows * 9 + 3 * (dy + 1) + (dx + 1)
         if np.iscomplexobj(values):
             np.add.at(flat, where, values)
             continue
