@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One prepared check of every GPU path on a one-H200 machine, within about 8 minutes:
-#   setup (a CUDA torch if one is installed), an SSI solve of a 1025x1025 Poisson system, a merge of
-#   three tiny models, calibrate, then search + GKD on 262,144 tokens and an eval of the child.
+#   setup (a CUDA torch if one is installed), SSI solves of a 1025x1025 Poisson system (float64) and a
+#   2049x2049 one (float32 factor, float64 refinement), a merge of three tiny models, calibrate, then
+#   search + GKD on 262,144 tokens and an eval of the child.
 # The short checks run first so that the search, which takes longest, cannot starve them; it gets
 # what is left of the budget less the eval's share. Each step runs under `timeout` inside one
 # overall deadline, and the script goes on past a failing step. Results: $OUT/gpu-check.jsonl (one
@@ -12,8 +13,9 @@
 #     bash bench/gpu_check.sh                      # a rehearsal of the other steps on a CPU
 #
 # Settings (environment): OUT, DEVICE (cuda), VENV (.venv), BUDGET_S (460), DATA_DIR (../shared/data),
-# GKD_TOKENS (262144), SOLVE_SIDE (1025), EVAL_MODEL (the searched child), CAL_MODEL (smollm2-135m),
-# CAL_DTYPE (bfloat16), SKIP (step names: setup gpu solve merge calibrate search eval).
+# GKD_TOKENS (262144), SOLVE_SIDE (1025), SOLVE32_SIDE (2049), EVAL_MODEL (the searched child),
+# CAL_MODEL (smollm2-135m), CAL_DTYPE (bfloat16), SKIP (step names: setup gpu solve solve32 merge
+# calibrate search eval).
 set -uo pipefail
 
 OUT=${OUT:-./gpu-check-out}
@@ -24,6 +26,7 @@ DATA_DIR=${DATA_DIR:-../shared/data}
 [ -d "$DATA_DIR" ] || [ ! -d shared/data ] || DATA_DIR=shared/data  # a copy of the tree may hold shared/ inside
 GKD_TOKENS=${GKD_TOKENS:-262144}
 SOLVE_SIDE=${SOLVE_SIDE:-1025}
+SOLVE32_SIDE=${SOLVE32_SIDE:-2049}
 CAL_MODEL=${CAL_MODEL:-smollm2-135m}
 CAL_DTYPE=${CAL_DTYPE:-bfloat16}
 SKIP=${SKIP:-}
@@ -87,9 +90,9 @@ elif isinstance(data, dict):
                     decode_max_abs_rel_error=(data.get("summary") or {}).get("whole_model_decode_max_abs_rel_error"))
     elif name == "merge":
         line.update({k: data.get(k) for k in ("method", "device", "tensors", "wall_time_s")})
-    elif name == "solve":
+    elif name.startswith("solve"):
         line.update({k: data.get(k) for k in ("method", "device", "dtype", "unknowns", "residual", "factor_s",
-                                              "solve_s", "factor_bytes")})
+                                              "solve_s", "factor_bytes", "refine")})
     elif name == "gpu":
         line.update(data)
 with open(log, "a") as handle:
@@ -187,8 +190,8 @@ for i in range(3):
 PY
 }
 
-make_poisson() {  # the 5-point Poisson matrix on a SIDE x SIDE grid, b = 1 (scipy save_npz + key b)
-  "$(python_bin)" - "$SCRATCH/poisson.npz" "$SOLVE_SIDE" <<'PY'
+make_poisson() {  # make_poisson PATH SIDE: the 5-point Poisson matrix on a SIDE x SIDE grid, b = 1 (save_npz + key b)
+  "$(python_bin)" - "$1" "$2" <<'PY'
 import sys
 
 import numpy as np
@@ -213,12 +216,19 @@ mapfile -t VALID < <(data_flag wikitext2-valid.txt)
 mapfile -t TEST < <(data_flag wikitext2-test.txt)
 [ ${#VALID[@]} -gt 0 ] || echo "no $DATA_DIR/wikitext2-valid.txt: search samples its text from the parent" >&2
 
-if skipped solve || make_poisson >> "$OUT/solve.log" 2>&1; then
+if skipped solve || make_poisson "$SCRATCH/poisson.npz" "$SOLVE_SIDE" >> "$OUT/solve.log" 2>&1; then
   step solve 60 "$MLX" solve "$SCRATCH/poisson.npz" --device "$DEVICE" --json
 else
   FAILED+=(solve)
   : > "$OUT/solve.json"
   record solve 1 0 0 "could not create the Poisson system (see solve.log)"
+fi
+if skipped solve32 || make_poisson "$SCRATCH/poisson32.npz" "$SOLVE32_SIDE" >> "$OUT/solve32.log" 2>&1; then
+  step solve32 60 "$MLX" solve "$SCRATCH/poisson32.npz" --device "$DEVICE" --dtype float32 --json
+else
+  FAILED+=(solve32)
+  : > "$OUT/solve32.json"
+  record solve32 1 0 0 "could not create the Poisson system (see solve32.log)"
 fi
 if skipped merge || make_merge_inputs >> "$OUT/merge.log" 2>&1; then
   step merge 30 "$MLX" merge --isotropic "$SCRATCH/merge/ft0" "$SCRATCH/merge/ft1" "$SCRATCH/merge/ft2" \

@@ -17,6 +17,8 @@ solves alike, so a factorisation is computed once and re-solves any number of ri
 A symmetric system keeps no ``T``: its ``SR`` is ``RS^T``, so back-substitution forms ``SS^-1 (RS^T u_R)``
 from the other two, which saves the largest stored tensor (``RS`` and ``T`` are each ~45% of the
 factor) for one more triangular solve per block.
+Blocks with small separators (most blocks of the low levels) store ``SS^-1`` and ``RS SS^-1``
+explicitly instead, so that their sweeps are two batched products per block (`_InverseBlock`).
 
 On CPU the blocks of every level are split into contiguous *pieces*, one per worker thread; a piece is
 what one thread eliminates (and later solves with), so the stored factors are kept per piece.
@@ -40,6 +42,10 @@ from mlxkit.engines.solve.linalg import BlockWorkers, lu_factor, lu_solve, pivot
 from mlxkit.engines.solve.plan import LeafGroup, MergeGroup, Plan, build_plan
 
 
+# Separators of at most this many nodes are stored as explicit inverses (`_InverseBlock`): the
+# blocks are small and well conditioned (a few nodes inside a patch or along a short interface), and
+# the solve's cost there is per call, not per flop.
+_INVERSE_MAX_SEPARATOR = 32
 # Factor size from which solves also use the worker threads (see `SSIFactor.solve`).
 _THREADED_SOLVE_BYTES = 512 * 2**20
 
@@ -77,8 +83,12 @@ def flush_denormals(dtype: torch.dtype) -> Iterator[None]:
         torch.set_flush_denormal(False)
 
 
+def _nbytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
 @dataclass
-class _Block:
+class _LUBlock:
     """Factors of one batched elimination ``[[RR, RS], [SR, SS]]`` with `kept` rows in R."""
 
     lu: torch.Tensor  # [B, n, s, s]
@@ -109,7 +119,41 @@ class _Block:
         return torch.cat([u_r, u_s], dim=2)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.lu, self.piv, self.rs, self.t) if t is not None)
+        return _nbytes(self.lu, self.piv, self.rs, self.t)
+
+
+@dataclass
+class _InverseBlock:
+    """A small elimination stored as explicit operators: ``SS^-1``, ``T = SS^-1 SR`` and ``W = RS SS^-1``.
+
+    Low levels hold tens of thousands of blocks with separators of a few nodes, where each batched
+    LAPACK or BLAS call costs about the same per block whatever its size: two products per block and
+    sweep replace two products and two triangular solves. The memory is that of `_LUBlock` (a symmetric
+    system keeps no ``W``: it is ``T^T``). Only blocks up to `_INVERSE_MAX_SEPARATOR` nodes are inverted.
+    """
+
+    inv: torch.Tensor  # [B, n, s, s]
+    t: torch.Tensor  # [B, n, s, r]
+    w: torch.Tensor | None  # [B, n, r, s]; None for a symmetric system
+    kept: int
+
+    def up(self, f: torch.Tensor, transpose: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        f_r, f_s = f[:, :, :self.kept], f[:, :, self.kept:]
+        w = self.t.mT if transpose or self.w is None else self.w
+        return f_r - w @ f_s, f_s
+
+    def down(self, u_r: torch.Tensor, saved: torch.Tensor, transpose: bool) -> torch.Tensor:
+        if transpose:
+            u_s = self.inv.mT @ saved - self.w.mT @ u_r
+        else:
+            u_s = self.inv @ saved - self.t @ u_r
+        return torch.cat([u_r, u_s], dim=2)
+
+    def nbytes(self) -> int:
+        return _nbytes(self.inv, self.t, self.w)
+
+
+_Block = _LUBlock | _InverseBlock
 
 
 @dataclass
@@ -141,7 +185,13 @@ def _eliminate(m: torch.Tensor, kept: int, keep_t: bool) -> tuple[torch.Tensor, 
     b, n = m.shape[:2]
     schur = torch.baddbmm(m[:, :, :kept, :kept].flatten(0, 1), rs.flatten(0, 1), t.flatten(0, 1),
                           alpha=-1).view(b, n, kept, kept)
-    return schur, _Block(lu=lu, piv=piv, rs=rs, t=t if keep_t else None, kept=kept), ratio
+    separator = ss.shape[-1]
+    if 0 < separator <= _INVERSE_MAX_SEPARATOR:
+        inv = lu_solve(lu, piv, torch.eye(separator, dtype=m.dtype, device=m.device).expand_as(lu))
+        block: _Block = _InverseBlock(inv=inv, t=t, w=None if not keep_t else rs @ inv, kept=kept)
+    else:
+        block = _LUBlock(lu=lu, piv=piv, rs=rs, t=t if keep_t else None, kept=kept)
+    return schur, block, ratio
 
 
 def _scatter_square(dense: torch.Tensor, flat: torch.Tensor, block: torch.Tensor, add: bool) -> None:
