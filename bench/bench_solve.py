@@ -12,7 +12,8 @@ Solvers: ssi (fp64, factor + solve; re-solve with the cached factors), ssi32 (`f
 dtype="float32")`: the float32 factor, each solve refined in float64 to its default 3 steps), spsolve (SuperLU, COLAMD),
 splu (SuperLU, MMD_AT_PLUS_A: the fastest ordering on these problems), pardiso (pypardiso, first call and
 a cached re-solve), pyamg (smoothed aggregation setup + CG solve to a relative residual of 1e-10).
-`--batch` adds the throughput test: 64 varcoef9 systems at 257^2, one batched SSI call vs a SciPy loop.
+`--batch` adds the throughput test: 64 varcoef9 systems at 257^2, one batched SSI call (float64; float32
+refined in float64) vs a SciPy loop.
 
 Every worker, whatever its solver, first calls `keep_freed_memory()` (glibc keeps freed blocks in the
 heap instead of unmapping them), as `mlx solve` does; `--system-malloc` runs them all with glibc's defaults.
@@ -189,28 +190,38 @@ def worker(solver: str, kind: str, n: int) -> dict:
 
 
 def batch_worker(count: int, n: int) -> dict:
-    """Throughput: `count` different varcoef9 systems, one batched SSI call vs a SciPy splu loop."""
+    """Throughput: `count` different varcoef9 systems, one batched SSI call (float64, and float32 refined
+    in float64 as `mlx solve --dtype float32` does) vs a SciPy splu loop."""
     import scipy.sparse.linalg as spla
     import torch
 
     from mlxkit.engines.solve.grid import stencil_to_csr
+    from mlxkit.engines.solve.matrix import DEFAULT_REFINE, RefinedSolve, ssi_batch_solver
     from mlxkit.engines.solve.ssi import SSIFactor
 
     _allocator()
     torch.set_num_threads(2)
     stencils = np.stack([make_stencil("varcoef9", n, seed=k) for k in range(count)])
     b = np.random.default_rng(2).standard_normal((count, n, n))
+    mats = [stencil_to_csr(s) for s in stencils]
+
+    def worst(xs) -> float:
+        return float(max(np.linalg.norm(a @ np.ravel(xk) - bk.ravel()) / np.linalg.norm(bk)
+                         for a, xk, bk in zip(mats, xs, b)))
+
     t0 = time.perf_counter()
     x = SSIFactor(torch.from_numpy(stencils)).solve(torch.from_numpy(b)).numpy()
     ssi_s = time.perf_counter() - t0
-    mats = [stencil_to_csr(s) for s in stencils]
+    t0 = time.perf_counter()
+    solve, _ = ssi_batch_solver(stencils, "float32", 4)
+    x32 = RefinedSolve(solve, mats, DEFAULT_REFINE["float32"])(b.reshape(count, -1, 1), False)
+    ssi32_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     xs = [spla.splu(a.tocsc(), permc_spec="MMD_AT_PLUS_A").solve(bk.ravel()) for a, bk in zip(mats, b)]
     scipy_s = time.perf_counter() - t0
-    res_ssi = max(np.linalg.norm(a @ xk.ravel() - bk.ravel()) / np.linalg.norm(bk) for a, xk, bk in zip(mats, x, b))
-    res_sp = max(np.linalg.norm(a @ xk - bk.ravel()) / np.linalg.norm(bk) for a, xk, bk in zip(mats, xs, b))
-    return {"count": count, "n": n, "ssi_s": ssi_s, "scipy_loop_s": scipy_s, "speedup": scipy_s / ssi_s,
-            "ssi_residual": float(res_ssi), "scipy_residual": float(res_sp), "peak_rss_gb": _rss_gb()}
+    return {"count": count, "n": n, "ssi_s": ssi_s, "ssi32_s": ssi32_s, "scipy_loop_s": scipy_s,
+            "speedup": scipy_s / ssi_s, "speedup_ssi32": scipy_s / ssi32_s, "ssi_residual": worst(x),
+            "ssi32_residual": worst(x32), "scipy_residual": worst(xs), "peak_rss_gb": _rss_gb()}
 
 
 def _spawn(args: list[str], timeout: float, system_malloc: bool, memory_limit_gb: float | None = None) -> dict:

@@ -180,3 +180,14 @@ def test_bad_flags(tmp_path):
     out.write_bytes(b"keep me")
     res = _solve(tmp_path / "s.npz", "--out", out)
     assert res.exit_code == 2 and "already exists" in res.stderr and out.read_bytes() == b"keep me"
+
+
+def test_a_factor_beyond_memory_exits_7_in_one_line_and_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr("mlxkit.engines.training.budget.machine_memory_bytes", lambda: 2**20)
+    a = stencil_to_csr(_stencil(40, 40))
+    out = tmp_path / "x.npz"
+    res = _solve(_sparse_npz(tmp_path / "a.npz", a, b=np.ones(1600), grid_shape=np.array([40, 40])), "--out", out)
+    assert res.exit_code == 7, res.output
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "40x40 grid" in lines[0] and "--dtype float32" in lines[0]
+    assert "Traceback" not in res.output and not out.exists()

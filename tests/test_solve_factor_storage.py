@@ -13,7 +13,7 @@ import torch
 from mlxkit.engines.errors import InputError
 from mlxkit.engines.solve import linalg
 from mlxkit.engines.solve.grid import csr_to_stencil, is_symmetric_stencil, stencil_mask, stencil_to_csr
-from mlxkit.engines.solve.ssi import SSIFactor
+from mlxkit.engines.solve.ssi import SSIFactor, factor_bytes
 
 
 def random_nine_point(rng: np.random.Generator, height: int, width: int, symmetric: bool) -> np.ndarray:
@@ -121,3 +121,34 @@ def test_small_ranges_give_the_same_factor(monkeypatch, symmetric):
     x = chunked.solve(b).numpy()
     assert np.linalg.norm(x - whole) <= 1e-12 * np.linalg.norm(whole)
     assert rel_res(stencil_to_csr(s), x.ravel(), b.numpy().ravel()) <= 1e-12
+
+
+@pytest.mark.parametrize("shape, batch, dtype, symmetric", [
+    ((33, 33), 1, torch.float64, True), ((23, 41), 2, torch.float64, False),
+    ((90, 70), 1, torch.float32, True), ((90, 70), 1, torch.float64, False), ((2, 9), 1, torch.float64, False),
+])
+def test_factor_size_from_the_plan_is_the_size_factored(shape, batch, dtype, symmetric):
+    rng = np.random.default_rng(batch)
+    s = np.stack([random_nine_point(rng, *shape, symmetric=symmetric) for _ in range(batch)])
+    f = SSIFactor(s if batch > 1 else s[0], dtype=dtype)
+    stored, levels = factor_bytes(*shape, batch=batch, dtype=dtype, symmetric=symmetric)
+    assert f.symmetric == symmetric
+    assert stored == f.nbytes()
+    assert 0 < levels < stored
+
+
+def test_a_factor_beyond_memory_is_refused_before_any_work(monkeypatch):
+    from mlxkit.engines.errors import ResourceError
+
+    stored, levels = factor_bytes(64, 64, dtype=torch.float64, symmetric=True)
+    monkeypatch.setattr("mlxkit.engines.training.budget.machine_memory_bytes", lambda: stored + levels - 1)
+    factored = []
+    monkeypatch.setattr(SSIFactor, "_factor", lambda self, held: (factored.append(1),
+                                                                  setattr(self, "_ratio", torch.ones(1))))
+    s = random_nine_point(np.random.default_rng(0), 64, 64, symmetric=True)
+    with pytest.raises(ResourceError, match=r"64x64 grid \(float64\).*--dtype float32"):
+        SSIFactor(s)
+    assert not factored
+    monkeypatch.setattr("mlxkit.engines.training.budget.machine_memory_bytes", lambda: stored + levels)
+    SSIFactor(s, check=False)  # exactly enough is accepted (the check only reads memory, not the factor)
+    assert factored

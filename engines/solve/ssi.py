@@ -12,7 +12,7 @@ github.com/wangyu9/Schwarz_Schur_Involution):
 3. The root step eliminates the last separator; back-substitution runs the steps in reverse.
 
 Each elimination of ``[[RR, RS], [SR, SS]]`` stores ``LU(SS)``, ``RS`` and ``T = SS^-1 SR``; the
-Schur complement is ``RR - RS T``. No inverse is formed. Those three tensors serve plain and transposed
+Schur complement is ``RR - RS T``. No large block is inverted. Those three tensors serve plain and transposed
 solves alike, so a factorisation is computed once and re-solves any number of right-hand sides.
 A symmetric system keeps no ``T``: its ``SR`` is ``RS^T``, so back-substitution forms ``SS^-1 (RS^T u_R)``
 from the other two, which saves the largest stored tensor (``RS`` and ``T`` are each ~45% of the
@@ -40,6 +40,7 @@ from mlxkit.engines.core.threads import one_intra_op_thread
 from mlxkit.engines.solve.grid import is_symmetric_stencil, stencil_mask
 from mlxkit.engines.solve.linalg import BlockWorkers, lu_factor, lu_solve, pivot_ratio
 from mlxkit.engines.solve.plan import LeafGroup, MergeGroup, Plan, build_plan
+from mlxkit.engines.training.budget import check_fits
 
 
 # Separators of at most this many nodes are stored as explicit inverses (`_InverseBlock`): the
@@ -58,16 +59,46 @@ def pivot_tolerance(dtype: torch.dtype, unknowns: int) -> float:
     """Smallest LU pivot ratio (min/max |U_ii| of a block) accepted as nonsingular.
 
     For a singular system (pure-Neumann Laplacian) the root pivot ratio is rounding noise that grows
-    like ~0.1 eps N (measured: 4.6e-12 at 513^2 in fp64); a well-posed 2-D problem stays >= 1e-3.
+    like ~0.1 eps N (measured: 4.6e-12 at 513^2 in fp64); a well-posed 2-D problem stays >= 1e-3 but
+    not far above it on large grids (9.4e-3 for the variable-coefficient 9-point benchmark at 4097^2
+    in fp32), so the threshold never exceeds 1e-3. From N ~ 0.01 / eps (fp32: ~300^2) the noise can
+    pass that, and a singular float32 system is left to the residual check of the refined solve.
     """
     eps = torch.finfo(dtype).eps
-    floor, cap = (1e-13, 1e-6) if dtype == torch.float64 else (1e-6, 1e-2)
+    floor, cap = (1e-13, 1e-6) if dtype == torch.float64 else (1e-6, 1e-3)
     return min(cap, max(floor, eps * unknowns))
 
 
 @functools.lru_cache(maxsize=8)
 def _cached_plan(height: int, width: int, leaf: int) -> Plan:
     return build_plan(height, width, leaf)
+
+
+def _block_elements(count: int, kept: int, separator: int, symmetric: bool) -> tuple[int, int]:
+    """(values, int32 pivots) that `_eliminate` stores for `count` blocks of one shape."""
+    sides = 1 if symmetric else 2  # RS and T (or W and T); a symmetric block keeps one of the two
+    pivots = separator if separator > _INVERSE_MAX_SEPARATOR else 0
+    return count * (separator * separator + sides * kept * separator), count * pivots
+
+
+def factor_bytes(height: int, width: int, *, batch: int = 1, dtype: torch.dtype = torch.float64,
+                 symmetric: bool = False, leaf: int = 4) -> tuple[int, int]:
+    """Memory of an SSI factorisation, from its plan alone: ``(stored factor, largest pair of levels)``.
+
+    The first is what `SSIFactor.nbytes` reports once factored; the second is the Schur complements of
+    one level and the next, which live together while a level is merged. The factorisation's peak is at
+    least their sum.
+    """
+    plan = _cached_plan(height, width, max(1, int(leaf)))
+    element = torch.finfo(dtype).bits // 8
+    shapes = [(len(g.members), len(g.kept), len(g.order) - len(g.kept)) for g in plan.leaves]
+    shapes += [(mg.count, mg.kept, mg.size - mg.kept) for step in plan.steps for mg in step.merges]
+    values, pivots = map(sum, zip(*(_block_elements(*shape, symmetric) for shape in shapes)))
+    stored = values * element + pivots * 4
+    levels = [sum(len(g.members) * len(g.kept) ** 2 for g in plan.leaves)]
+    levels += [sum(len(g.members) * len(g.kept) ** 2 for g in step.groups) for step in plan.steps]
+    pair = max((a + b for a, b in zip(levels, levels[1:])), default=levels[0])
+    return stored * batch, pair * element * batch
 
 
 @contextlib.contextmanager
@@ -280,6 +311,7 @@ class SSIFactor:
             raise InputError("symmetric=True, but the stencil is not symmetric")
         self.symmetric = found if symmetric is None else bool(symmetric)
         self.plan = _cached_plan(self.height, self.width, max(1, int(leaf)))
+        self._check_memory(leaf)
         self.profile: list[tuple[str, float]] = []
         # `_factor` owns the working copy of the stencil so that it can free it after the leaf step.
         held = [s]
@@ -297,6 +329,17 @@ class SSIFactor:
                 f"--nullspace constant, or pin one value")
 
     # -- factorisation -------------------------------------------------------------------------------
+
+    def _check_memory(self, leaf: int) -> None:
+        """Refuse, before any work, a factorisation whose factor and two levels exceed the device's memory."""
+        stored, levels = factor_bytes(self.height, self.width, batch=self.batch, dtype=self.dtype,
+                                      symmetric=self.symmetric, leaf=leaf)
+        systems = f"{self.batch} systems on " if self.batched else ""
+        hint = ("a float32 factor (--dtype float32, refined in float64) needs about half"
+                if self.dtype == torch.float64 else "solve a smaller grid or batch")
+        check_fits(stored + levels, self.device,
+                   f"the SSI factor of {systems}a {self.height}x{self.width} grid ({str(self.dtype)[6:]})", hint)
+
 
     def _index(self, a: np.ndarray) -> torch.Tensor:
         return torch.as_tensor(a, dtype=torch.long, device=self.device)

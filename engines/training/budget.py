@@ -54,13 +54,13 @@ def activation_bytes(config, micro_batch: int, seq_len: int, element_bytes: int)
     return layers * per_layer + logits
 
 
-def check_fits(need: int, device: torch.device, what: str) -> None:
+def check_fits(need: int, device: torch.device, what: str,
+               hint: str = "lower the batch, the sequence length or the model size") -> None:
     """Refuse `need` bytes on `device` (and, for a GPU, the host copy is not counted: only the device's)."""
     have = device_memory_bytes(device)
     if have is not None and need > have:
         where = "this machine" if device.type == "cpu" else f"{device} ({torch.cuda.get_device_name(device)})"
-        raise ResourceError(f"{what} needs at least {_size(need)}, but {where} has {_size(have)}; "
-                            "lower the batch, the sequence length or the model size")
+        raise ResourceError(f"{what} needs at least {_size(need)}, but {where} has {_size(have)}; {hint}")
 
 
 def check_data_vs_batch(sequences: int, batch: int, reporter: Reporter, flag: str = "--batch") -> None:
