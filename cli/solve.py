@@ -28,8 +28,9 @@ def solve_command(
                                                        "float64 (--refine).")] = "float64",
     refine: Annotated[Optional[int], typer.Option("--refine", min=0, help="At most N iterative-refinement "
                                                   "steps: residual b - Ax in float64 with the sparse A, "
-                                                  "correction solved with the factor; stops once a step no "
-                                                  "longer halves the residual. Default: 8 with --dtype "
+                                                  "correction solved with the factor; stops once the "
+                                                  "residual reaches sqrt(N) float64 epsilons or a step no "
+                                                  "longer halves it. Default: 8 with --dtype "
                                                   "float32, else 0.", metavar="N")] = None,
     leaf: Annotated[int, typer.Option("--leaf", min=1, help="Minimum cells per SSI leaf-patch side.")] = 4,
     device: Annotated[str, typer.Option("--device", help="Where SSI factorises and solves: auto (CUDA when "
@@ -42,15 +43,14 @@ def solve_command(
     quiet: QuietOpt = False,
     verbose: VerboseOpt = False,
 ) -> None:
-    from mlxkit.engines.core.memory import keep_freed_memory
     from mlxkit.engines.solve.runner import run_solve
 
     check_placement(device, dtype=None)
-    keep_freed_memory()  # this process is ours: reuse freed pages across elimination levels
     output = Output(json_out, quiet, verbose)
     with claimed_output(out, kind="file", inputs=[file, rhs]):
         report, _ = run_solve(file, rhs=rhs, grid=grid, method=method, nullspace=nullspace, dtype=dtype, leaf=leaf,
-                              refine=refine, out=out, overwrite=overwrite, device=device, reporter=output.reporter)
+                              refine=refine, out=out, overwrite=overwrite, device=device, reporter=output.reporter,
+                              tune_allocator=True)  # this process is ours
     output.emit(report, lambda r: _render(file, out, r, quiet))
 
 

@@ -191,3 +191,19 @@ def test_a_factor_beyond_memory_exits_7_in_one_line_and_writes_nothing(tmp_path,
     lines = [line for line in res.output.splitlines() if line.strip()]
     assert len(lines) == 1 and "40x40 grid" in lines[0] and "--dtype float32" in lines[0]
     assert "Traceback" not in res.output and not out.exists()
+
+
+@pytest.mark.parametrize("room, kept", [(10.0, True), (0.9, False)])
+def test_the_cli_keeps_freed_memory_only_when_the_factor_leaves_room(tmp_path, monkeypatch, room, kept):
+    import mlxkit.engines.solve.runner as runner_module
+    from mlxkit.engines.solve.ssi import factor_bytes
+
+    stored, levels = factor_bytes(40, 40, symmetric=False)
+    share = runner_module._KEEP_FREED_SHARE
+    monkeypatch.setattr(runner_module, "machine_memory_bytes", lambda: int(room * (stored + levels) / share))
+    calls = []
+    monkeypatch.setattr(runner_module, "keep_freed_memory", lambda: calls.append(1))
+    a = stencil_to_csr(_stencil(40, 40))
+    report = _report(_solve(_sparse_npz(tmp_path / "a.npz", a, b=np.ones(1600)), "--json"))
+    assert report["residual"] <= 1e-10
+    assert bool(calls) == kept

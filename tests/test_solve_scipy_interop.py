@@ -225,6 +225,29 @@ def test_float32_refinement_reaches_float64_residual(side):
     assert list(info.residuals) == sorted(info.residuals, reverse=True)
 
 
+def test_refinement_stops_at_its_target_and_on_stagnation():
+    # A = I, and each correction recovers 90% of the error: the residual falls 10x per step.
+    b = np.ones((1, 4, 1))
+
+    def run(steps, target, floor=0.0):
+        def correct(r):
+            return 0.9 * r + floor  # `floor` is a fixed error no step can remove
+
+        def residual(v):
+            return b - v
+
+        x, info = matrix_module.refine_solution(np.zeros_like(b), steps, residual, correct,
+                                                lambda r: np.linalg.norm(r, axis=(1, 2)) / 2.0,
+                                                matrix_module._select_numpy, target=target)
+        return info
+
+    assert run(8, 0.0).refine_steps == 8
+    info = run(8, 2e-4)
+    assert info.refine_steps == 4 and info.residual <= 2e-4 < info.residuals[-2]  # 1e-1, 1e-2, 1e-3, 1e-4
+    assert run(8, 0.0, floor=1e-3).refine_steps <= 3  # stops once a step no longer halves the residual
+    assert matrix_module.refine_target(1025 ** 2) == pytest.approx(1025 * np.finfo(np.float64).eps)
+
+
 def test_float32_refinement_transposed_batched_and_on_tensors():
     a = nine_point(33, 31, seed=12)
     rng = np.random.default_rng(13)
