@@ -117,6 +117,28 @@ def test_float32_accuracy():
     assert rel_res(stencil_to_csr(s), x.double().numpy().ravel(), b.ravel()) <= 1e-4
 
 
+@pytest.mark.parametrize("shape", [(1, 1), (2, 3), (7, 5)])
+def test_stencil_to_csr_matches_a_dense_loop(shape):
+    height, width = shape
+    rng = np.random.default_rng(height * 10 + width)
+    s = rng.standard_normal((height, width, 3, 3))
+    s[rng.random(s.shape) < 0.3] = 0.0  # zeros are not stored
+    dense = np.zeros((height * width, height * width))
+    for y in range(height):
+        for x in range(width):
+            for dy in (-1, 0, 1):
+                for dx in (-1, 0, 1):
+                    if 0 <= y + dy < height and 0 <= x + dx < width:
+                        dense[y * width + x, (y + dy) * width + x + dx] = s[y, x, 1 + dy, 1 + dx]
+    a = stencil_to_csr(s)
+    assert np.array_equal(a.toarray(), dense)
+    assert a.nnz == np.count_nonzero(dense)
+    check = a.copy()
+    check.has_sorted_indices = False
+    check.sort_indices()
+    assert np.array_equal(check.indices, a.indices)  # the claimed sorted order holds
+
+
 def test_apply_stencil_matches_csr():
     rng = np.random.default_rng(3)
     s = nine_point(rng, 6, 9)

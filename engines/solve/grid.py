@@ -137,15 +137,32 @@ def stencil_mask(height: int, width: int) -> np.ndarray:
 
 
 def stencil_to_csr(stencil: np.ndarray) -> sp.csr_matrix:
-    """Assemble the sparse matrix of one `[H, W, 3, 3]` stencil (entries outside the grid dropped)."""
+    """Assemble the sparse matrix of one `[H, W, 3, 3]` stencil (entries outside the grid and zeros dropped).
+
+    Row k's entries in stencil order (dy, then dx) already have increasing columns k + dy W + dx, so
+    the CSR arrays are written directly, a block of rows at a time: no coordinate arrays of the whole
+    matrix (several GB at 4097^2) and no sort.
+    """
     stencil = np.asarray(stencil)
     height, width = stencil.shape[:2]
-    mask = stencil_mask(height, width) & (stencil != 0)
-    y, x, iy, ix = np.nonzero(mask)
-    rows = y * width + x
-    cols = (y + iy - 1) * width + (x + ix - 1)
     n = height * width
-    return sp.csr_matrix((stencil[mask], (rows, cols)), shape=(n, n))
+    values = stencil.reshape(n, 9)
+    keep = stencil_mask(height, width).reshape(n, 9) & (values != 0)
+    index = np.int32 if n + width + 1 < 2**31 else np.int64
+    indptr = np.zeros(n + 1, dtype=index)
+    np.cumsum(keep.sum(1), out=indptr[1:])
+    data = np.empty(int(indptr[-1]), dtype=values.dtype)
+    indices = np.empty(int(indptr[-1]), dtype=index)
+    step = np.array([dy * width + dx for dy, dx in OFFSETS], dtype=np.int64)
+    for lo in range(0, n, _ROWS_PER_PASS):
+        hi = min(n, lo + _ROWS_PER_PASS)
+        rows = keep[lo:hi]
+        start, stop = int(indptr[lo]), int(indptr[hi])
+        data[start:stop] = values[lo:hi][rows]
+        indices[start:stop] = (np.arange(lo, hi, dtype=np.int64)[:, None] + step)[rows]
+    a = sp.csr_matrix((data, indices, indptr), shape=(n, n))
+    a.has_sorted_indices = True
+    return a
 
 
 def apply_stencil(stencil: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
