@@ -235,11 +235,6 @@ def _scatter_square(dense: torch.Tensor, flat: torch.Tensor, block: torch.Tensor
         target.index_copy_(2, flat, source)
 
 
-def _join(parts: list[torch.Tensor]) -> torch.Tensor:
-    """The pieces of one group, in block order, as one ``[B, n, ...]`` tensor (no copy for a single piece)."""
-    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
-
-
 def _flat(index: torch.Tensor, size: int) -> torch.Tensor:
     return (index[:, None] * size + index[None, :]).reshape(-1)
 
@@ -485,54 +480,55 @@ class SSIFactor:
         return x.reshape(shape)
 
     def _solve4(self, b: torch.Tensor, transpose: bool, workers: BlockWorkers) -> torch.Tensor:
+        # Every job gathers its own inputs and writes its own share of the next level, so the worker
+        # threads also carry the data movement between levels (disjoint block ranges: no two jobs
+        # write the same entry, except the leaves' shared cut nodes, which both write the same value).
         bsz, channels = b.shape[0], b.shape[-1]
         bw = b * self._node_w[None, :, :, None]
 
-        def leaf_up(p: _Piece):
-            return p.block.up(bw[:, p.index[0], p.index[1], :], transpose)
+        def leaf_up(p: _Piece, out: torch.Tensor) -> torch.Tensor:
+            kept, keep = p.block.up(bw[:, p.index[0], p.index[1], :], transpose)
+            out[:, p.lo:p.hi] = kept
+            return keep
 
-        def merge_up(p: _Piece, level: list[torch.Tensor]):
+        def merge_up(p: _Piece, level: list[torch.Tensor], out: list[torch.Tensor]) -> torch.Tensor:
             mg, (il, ir, pl, pr) = p.group, p.index
             f = b.new_zeros(bsz, p.hi - p.lo, mg.size, channels)
             f.index_copy_(2, il, level[mg.left_group][:, pl])
             f.index_add_(2, ir, level[mg.right_group][:, pr])
-            return p.block.up(f, transpose)
+            kept, keep = p.block.up(f, transpose)
+            out[mg.out_group][:, mg.out_start + p.lo:mg.out_start + p.hi] = kept
+            return keep
 
-        def merge_down(p: _Piece, keep: torch.Tensor, u: list[torch.Tensor]):
-            mg = p.group
+        def merge_down(p: _Piece, keep: torch.Tensor, u: list[torch.Tensor], child: list[torch.Tensor]) -> None:
+            mg, (il, ir, pl, pr) = p.group, p.index
             start = mg.out_start + p.lo
-            return p.block.down(u[mg.out_group][:, start:start + p.hi - p.lo], keep, transpose)
+            full = p.block.down(u[mg.out_group][:, start:start + p.hi - p.lo], keep, transpose)
+            child[mg.left_group][:, pl] = full[:, :, il]
+            child[mg.right_group][:, pr] = full[:, :, ir]
 
-        level, saved_leaf = [], []
-        for pieces in self._leaf_pieces:
-            ups = workers.map([functools.partial(leaf_up, p) for p in pieces])
-            level.append(_join([kept for kept, _ in ups]))
-            saved_leaf.append([keep for _, keep in ups])
+        def leaf_down(p: _Piece, keep: torch.Tensor, u_g: torch.Tensor, x: torch.Tensor) -> None:
+            x[:, p.index[0], p.index[1], :] = p.block.down(u_g[:, p.lo:p.hi], keep, transpose)
+
+        def vectors(groups) -> list[torch.Tensor]:
+            return [b.new_zeros(bsz, len(g.members), len(g.kept), channels) for g in groups]
+
+        level = vectors(self.plan.leaves)
+        saved_leaf = [workers.map([functools.partial(leaf_up, p, level[gi]) for p in pieces])
+                      for gi, pieces in enumerate(self._leaf_pieces)]
         saved_steps = []
         for step, pieces in zip(self.plan.steps, self._steps):
-            parts: list[list[torch.Tensor]] = [[] for _ in step.groups]
-            ups = workers.map([functools.partial(merge_up, p, level) for p in pieces])
-            for p, (kept, _) in zip(pieces, ups):
-                parts[p.group.out_group].append(kept)
-            level = [_join(q) for q in parts]
-            saved_steps.append([keep for _, keep in ups])
+            above = vectors(step.groups)
+            saved_steps.append(workers.map([functools.partial(merge_up, p, level, above) for p in pieces]))
+            level = above
         # The root keeps nothing; walk back down.
-        u = [b.new_zeros(bsz, len(g.members), len(g.kept), channels)
-             for g in (self.plan.steps[-1].groups if self.plan.steps else self.plan.leaves)]
+        u = vectors(self.plan.steps[-1].groups if self.plan.steps else self.plan.leaves)
         for k in range(len(self.plan.steps) - 1, -1, -1):
-            below = self.plan.steps[k - 1].groups if k else self.plan.leaves
-            child = [b.new_zeros(bsz, len(g.members), len(g.kept), channels) for g in below]
-            fulls = workers.map([functools.partial(merge_down, p, keep, u)
-                                 for p, keep in zip(self._steps[k], saved_steps[k])])
-            for p, full in zip(self._steps[k], fulls):
-                mg, (il, ir, pl, pr) = p.group, p.index
-                child[mg.left_group][:, pl] = full[:, :, il]
-                child[mg.right_group][:, pr] = full[:, :, ir]
+            child = vectors(self.plan.steps[k - 1].groups if k else self.plan.leaves)
+            workers.map([functools.partial(merge_down, p, keep, u, child)
+                         for p, keep in zip(self._steps[k], saved_steps[k])])
             u = child
         x = torch.empty_like(b)
         for pieces, keeps, u_g in zip(self._leaf_pieces, saved_leaf, u):
-            fulls = workers.map([functools.partial(p.block.down, u_g[:, p.lo:p.hi], keep, transpose)
-                                 for p, keep in zip(pieces, keeps)])
-            for p, full in zip(pieces, fulls):
-                x[:, p.index[0], p.index[1], :] = full
+            workers.map([functools.partial(leaf_down, p, keep, u_g, x) for p, keep in zip(pieces, keeps)])
         return x
