@@ -27,33 +27,38 @@ _ROWS_PER_PASS = 1 << 20
 
 
 def _entries(a: sp.spmatrix) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """(rows, cols, values) of `a`'s nonzero stored entries, as int64 indices, a block of rows at a time.
+    """(rows, cols, values) of `a`'s nonzero stored entries, a block of rows at a time.
 
-    Stored zeros are skipped: they may sit anywhere (a DIA matrix's padding). Duplicates are kept.
+    Indices are int32 when twice the matrix's order fits (half the memory traffic of int64 in the
+    passes over them; a difference of two indices must fit too), else int64. Stored zeros are
+    skipped: they may sit anywhere (a DIA matrix's padding). Duplicates are kept.
     """
     csr = a.tocsr()
     indptr = csr.indptr
+    index = np.int32 if 2 * max(csr.shape) + 2 < 2**31 else np.int64
     for lo in range(0, csr.shape[0], _ROWS_PER_PASS):
         hi = min(csr.shape[0], lo + _ROWS_PER_PASS)
         start, stop = int(indptr[lo]), int(indptr[hi])
-        rows = np.repeat(np.arange(lo, hi, dtype=np.int64), np.diff(indptr[lo:hi + 1]))
-        cols = csr.indices[start:stop].astype(np.int64)
+        rows = np.repeat(np.arange(lo, hi, dtype=index), np.diff(indptr[lo:hi + 1]))
+        cols = csr.indices[start:stop].astype(index, copy=False)
         values = csr.data[start:stop]
         nz = values != 0
-        yield rows[nz], cols[nz], values[nz]
+        if nz.all():
+            yield rows, cols, values
+        else:
+            yield rows[nz], cols[nz], values[nz]
 
 
 def _steps(rows: np.ndarray, cols: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(dy, dx, fits) of each entry: the grid step from its row's node to its column's, and whether
     that step is one of the nine of a 9-point stencil (an offset of W + 1 may also be a wrap-around)."""
     d = cols - rows
-    dy = np.where(d > 1, 1, np.where(d < -1, -1, 0))
+    dy = (d > 1).astype(d.dtype) - (d < -1)
     dx = d - dy * width
-    x = rows % width  # the one integer division per entry: the row's column on the grid
-    fits = (np.abs(dx) <= 1) & (x + dx >= 0) & (x + dx < width)
+    x_next = rows % width + dx  # the one integer division per entry: the row's column on the grid, moved
+    fits = (np.abs(dx) <= 1) & (x_next >= 0) & (x_next < width)
     if width <= 2:  # d = ±1 can then also be a step between rows: decide by the row index itself
-        y_step = cols // width - rows // width
-        dy, dx = y_step, cols % width - x
+        dy, dx = cols // width - rows // width, cols % width - rows % width
         fits = (np.abs(dy) <= 1) & (np.abs(dx) <= 1)
     return dy, dx, fits
 
@@ -100,7 +105,8 @@ def infer_grid(a: sp.spmatrix) -> tuple[int, int] | None:
             if width < 2 or width in tried or n % width or n // width < 2:
                 continue
             tried.add(width)
-            if fits_grid(a, n // width, width):
+            # Every offset must be one of a 9-point stencil's on this width before a pass checks wraps.
+            if set(offsets.tolist()) <= {0, 1, width - 1, width, width + 1} and fits_grid(a, n // width, width):
                 return n // width, width
     return None
 
@@ -117,7 +123,7 @@ def csr_to_stencil(a: sp.spmatrix, height: int, width: int) -> np.ndarray:
         dy, dx, fits = _steps(rows, cols, width)
         if not fits.all():
             raise InputError(f"matrix is not a 9-point matrix on a {height}x{width} grid")
-        where = rows * 9 + 3 * (dy + 1) + (dx + 1)
+        where = rows.astype(np.int64) * 9 + (3 * (dy + 1) + (dx + 1))
         if np.iscomplexobj(values):
             np.add.at(flat, where, values)
             continue
