@@ -48,12 +48,6 @@ RESIDUAL_LIMIT = {"float64": 1e-6, "float32": 1e-2}
 # three). The loop stops once a step no longer halves the residual, so the spare steps of a small
 # grid cost at most one solve.
 DEFAULT_REFINE = {"float64": 0, "float32": 8}
-
-
-def refine_target(unknowns: int) -> float:
-    """The relative residual at which refinement stops: sqrt(N) float64 epsilons, about where a float64
-    direct solve lands (SSI measured: 1.5e-14 at 257^2, 3.4e-14 at 1025^2, 1.6e-13 at 2049^2)."""
-    return float(np.sqrt(max(1, unknowns)) * np.finfo(np.float64).eps)
 # SciPy's spelling of a solve with A (N) or its transpose (T); H is T for a real matrix.
 TRANS = {"N": False, "T": True, "H": True}
 # Values per dense column block when a sparse right-hand side is solved (32 MiB of float64).
@@ -63,6 +57,12 @@ _SPARSE_BLOCK_VALUES = 2**22
 BatchSolve = Callable[[np.ndarray, bool], np.ndarray]
 SSIBatchSolve = Callable[["np.ndarray | torch.Tensor", bool], "np.ndarray | torch.Tensor"]
 Array = TypeVar("Array", np.ndarray, torch.Tensor)
+
+
+def refine_target(unknowns: int) -> float:
+    """The relative residual at which refinement stops: sqrt(N) float64 epsilons, about where a float64
+    direct solve lands (SSI measured: 1.5e-14 at 257^2, 3.4e-14 at 1025^2, 1.6e-13 at 2049^2)."""
+    return float(np.sqrt(max(1, unknowns)) * np.finfo(np.float64).eps)
 
 
 class SparseFallbackWarning(SolverWarning):

@@ -301,7 +301,7 @@ class SSIFactor:
         self.workers = 1 if self.device.type != "cpu" else (torch.get_num_threads() if workers is None else workers)
         s, self.batched = _as_stencil(stencil, dtype, self.device)
         self.batch, self.height, self.width = s.shape[0], s.shape[1], s.shape[2]
-        found = is_symmetric_stencil(s)
+        found = symmetric is not False and is_symmetric_stencil(s)  # False asks for no pass over the stencil
         if symmetric and not found:
             raise InputError("symmetric=True, but the stencil is not symmetric")
         self.symmetric = found if symmetric is None else bool(symmetric)
@@ -334,7 +334,6 @@ class SSIFactor:
                 if self.dtype == torch.float64 else "solve a smaller grid or batch")
         check_fits(stored + levels, self.device,
                    f"the SSI factor of {systems}a {self.height}x{self.width} grid ({str(self.dtype)[6:]})", hint)
-
 
     def _index(self, a: np.ndarray) -> torch.Tensor:
         return torch.as_tensor(a, dtype=torch.long, device=self.device)
