@@ -165,6 +165,9 @@ def _expected_tensors(config, layers: tuple[Layer, ...]) -> tuple[dict[str, tupl
             if config.attention_bias:
                 # Qwen2 parents have q/k/v biases and no o bias; a missing one reads as zeros.
                 optional.add(f"{p}self_attn.o_proj.bias")
+            if getattr(config, "qk_norm", False):
+                expected[f"{p}self_attn.q_norm.weight"] = (hd,)
+                expected[f"{p}self_attn.k_norm.weight"] = (hd,)
         if ffn.kind != "no_op":
             expected[p + "post_attention_layernorm.weight"] = (h,)
         if ffn.kind == "linear":

@@ -4,6 +4,12 @@
 `attention.{n_heads_in_group, no_op, replace_with_linear}` and
 `ffn.{ffn_mult, no_op, replace_with_linear}`), plus the exact `num_key_value_heads` and
 `intermediate_size` of every layer, so no shape depends on ffn_mult rounding.
+
+Fields a parent family needs beyond Llama's live here too, so an exported child loads with
+nothing but this file and the modeling file beside it:
+
+* `qk_norm` (Qwen3): an RMSNorm over each head's query and key, before RoPE, in every layer
+  that keeps attention (one weight of `head_dim` each, shared by the heads).
 """
 
 from __future__ import annotations
@@ -34,14 +40,17 @@ def _normalise_block(block: dict[str, Any], num_heads: int, hidden: int) -> dict
 
 
 class MlxDeciLMConfig(LlamaConfig):
-    """Llama fields plus `block_configs`; `num_key_value_heads`/`intermediate_size` keep the parent's."""
+    """Llama fields plus `block_configs` and the family fields (`qk_norm`); `num_key_value_heads` and
+    `intermediate_size` keep the parent's."""
 
     model_type = "mlx_decilm"
 
     def __post_init__(self, **kwargs):
         block_configs = kwargs.pop("block_configs", None)
         kwargs.pop("layer_types", None)  # derived below, never taken from the file
+        qk_norm = kwargs.pop("qk_norm", False)
         super().__post_init__(**kwargs)
+        self.qk_norm = bool(qk_norm)
         self.parent_num_key_value_heads = getattr(self, "parent_num_key_value_heads", None) or self.num_key_value_heads
         self.parent_intermediate_size = getattr(self, "parent_intermediate_size", None) or self.intermediate_size
         if block_configs is None:

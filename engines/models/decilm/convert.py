@@ -12,12 +12,12 @@ from mlxkit.engines.models.decilm.blocks import BlockChoice, ParentShape
 from mlxkit.engines.models.decilm.configuration_mlx_decilm import MlxDeciLMConfig
 from mlxkit.engines.models.decilm.modeling_mlx_decilm import MlxDeciLMForCausalLM
 
-# Llama-shaped families: pre-norm, RoPE, SwiGLU, separate q/k/v/o projections.
+# Llama-shaped families: pre-norm, RoPE, SwiGLU, separate q/k/v/o projections (Qwen3 adds per-head q/k norms).
 SUPPORTED_PARENTS = {"llama", "mistral", "qwen2", "qwen3", "mlx_decilm"}
 _CARRIED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                    "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps",
                    "tie_word_embeddings", "rope_parameters", "attention_bias", "mlp_bias", "bos_token_id",
-                   "eos_token_id", "pad_token_id", "initializer_range", "use_cache")
+                   "eos_token_id", "pad_token_id", "initializer_range", "use_cache", "qk_norm")
 
 
 def check_parent(config) -> None:
@@ -40,6 +40,8 @@ def child_config(parent_config, choices: Sequence[BlockChoice] | None = None) ->
     if parent_config.model_type == "qwen2":
         # Qwen2 has q/k/v biases but no o bias; our GQA block uses one flag for all four.
         fields["attention_bias"] = True
+    if parent_config.model_type == "qwen3":
+        fields["qk_norm"] = True
     fields["head_dim"] = getattr(parent_config, "head_dim", None) or \
         parent_config.hidden_size // parent_config.num_attention_heads
     shape = ParentShape.from_config(parent_config)

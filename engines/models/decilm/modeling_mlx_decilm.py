@@ -5,7 +5,9 @@ hidden x hidden linear map, or nothing) and its own FFN subblock (SwiGLU of its 
 width, one linear map, or nothing). Weight names follow the public DeciLM layout:
 a no-op subblock has no weights and no norm, linear attention lives at
 `self_attn.linear_attn`, linear FFN at `mlp.linear_mlp`. With every layer at the
-parent's shape this is exactly a Llama, logit for logit.
+parent's shape this is exactly a Llama, logit for logit. With `config.qk_norm` each head's
+query and key are RMS-normed before RoPE (`self_attn.q_norm`, `self_attn.k_norm`), as in
+Qwen3, and the same holds for a Qwen3 parent.
 
 Decoder layers are `GradientCheckpointingLayer`s, as in transformers' Llama:
 `model.gradient_checkpointing_enable()` recomputes each layer in the backward pass.
@@ -34,7 +36,7 @@ logger = logging.get_logger(__name__)
 
 
 class MlxDeciLMGQAAttention(nn.Module):
-    """Grouped-query attention with this layer's own number of KV heads."""
+    """Grouped-query attention with this layer's own number of KV heads (and Qwen3's q/k norms if configured)."""
 
     def __init__(self, config: MlxDeciLMConfig, layer_idx: int, num_key_value_heads: int):
         super().__init__()
@@ -52,13 +54,19 @@ class MlxDeciLMGQAAttention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, num_key_value_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, num_key_value_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        # Over head_dim, so one weight serves every head and a variant with fewer KV heads keeps it.
+        self.q_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps) if config.qk_norm else None
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                 attention_mask: torch.Tensor | None, cache: Cache | None = None, **kwargs) -> torch.Tensor:
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
-        query = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        key = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        query = self.q_proj(hidden_states).view(hidden_shape)
+        key = self.k_proj(hidden_states).view(hidden_shape)
+        if self.q_norm is not None:
+            query, key = self.q_norm(query), self.k_norm(key)
+        query, key = query.transpose(1, 2), key.transpose(1, 2)
         value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         cos, sin = position_embeddings
         query, key = apply_rotary_pos_emb(query, key, cos, sin)

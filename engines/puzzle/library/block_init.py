@@ -1,6 +1,7 @@
 """Initialise a child subblock from the parent, before any training (Puzzle, App. A).
 
-* fewer KV heads: K and V projections mean-pooled over the parent heads each new group uses;
+* fewer KV heads: K and V projections mean-pooled over the parent heads each new group uses; the
+  per-head q/k norms (Qwen3) are copied, since they act on head_dim and not on a head count;
 * narrower FFN: keep the channels with the largest measured contribution
   |act_i| * ||W_down[:, i]|| on calibration activations;
 * linear replacements: the least-squares map from the subblock's (normed) input to the
@@ -110,6 +111,9 @@ def _pool_kv_heads(src, dst) -> None:
     head_dim = src.head_dim
     dst.q_proj.load_state_dict(src.q_proj.state_dict())
     dst.o_proj.load_state_dict(src.o_proj.state_dict())
+    if src.q_norm is not None:
+        dst.q_norm.load_state_dict(src.q_norm.state_dict())
+        dst.k_norm.load_state_dict(src.k_norm.state_dict())
     groups = kv_head_groups(src.num_heads, src.num_key_value_heads, dst.num_key_value_heads,
                             device=src.k_proj.weight.device)
     for name in ("k_proj", "v_proj"):

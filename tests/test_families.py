@@ -1,0 +1,146 @@
+"""Parent families beyond Llama: the converted child is the parent, and search → GKD → eval → export runs.
+
+Every parent is a tiny random model of transformers' own class (4 layers, hidden 64), so the
+reference each check compares against is transformers' implementation of that family, not ours.
+Norm weights are drawn away from 1, so a norm that is dropped or put in the wrong place shows.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import mlxkit  # noqa: F401  (registers the Auto classes)
+from conftest import TINY_PUZZLE_RECIPE, save_with_tokenizer
+from test_export_support import logits_without_mlxkit, torch_logits
+
+from mlxkit.cli.main import app
+from mlxkit.engines.models.decilm.blocks import AttentionVariant
+from mlxkit.engines.models.decilm.convert import StreamedParent, from_parent
+from mlxkit.engines.models.loading import load_config
+from mlxkit.engines.puzzle.library.block_init import initialise
+from mlxkit.engines.puzzle.subblocks import parent_subblock
+
+runner = CliRunner()
+SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, vocab_size=128, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+             tie_word_embeddings=False)
+# What each family's child must carry in its config.json for a loader without mlxkit.
+FAMILY_FIELDS = {"qwen3": {"qk_norm": True}}
+GKD = ["--gkd-set", "data.seq_len=32", "--gkd-set", "data.held_out_sequences=2", "--gkd-set",
+       "optim.batch_sequences=4"]
+
+
+def tiny_parent(family: str, seed: int = 0):
+    """A random parent of `family` built from transformers' own config and model classes."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    classes = {"qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+    config_class, model_class = classes[family]
+    torch.manual_seed(seed)
+    model = model_class(config_class(**SHAPE)).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() == 2:
+                param.normal_(0.0, 0.15)
+            elif name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+            else:
+                param.normal_(0.0, 0.05)
+    return model
+
+
+def random_ids(batch: int = 2, length: int = 48, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, SHAPE["vocab_size"], (batch, length), generator=generator)
+
+
+@pytest.mark.parametrize("family", ["qwen3"])
+def test_converted_parent_gives_the_parents_logits(family):
+    parent = tiny_parent(family)
+    ids = random_ids()
+    with torch.no_grad():
+        expected = parent(ids).logits
+        converted = from_parent(parent)
+        torch.testing.assert_close(converted(ids).logits, expected, rtol=0, atol=1e-5)
+    greedy = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert converted.generate(ids[:1], **greedy).tolist() == parent.generate(ids[:1], **greedy).tolist()
+
+
+def test_qwen3_child_carries_qk_norm_and_reloads_from_its_config(tmp_path):
+    converted = from_parent(tiny_parent("qwen3"))
+    assert converted.config.qk_norm is True
+    attention = converted.model.layers[0].self_attn
+    assert tuple(attention.q_norm.weight.shape) == tuple(attention.k_norm.weight.shape) == (16,)
+    converted.save_pretrained(tmp_path / "child")
+    assert json.loads((tmp_path / "child" / "config.json").read_text())["qk_norm"] is True
+    from transformers import AutoModelForCausalLM
+
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "child").eval()
+    ids = random_ids()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, converted(ids).logits, rtol=0, atol=0)
+
+
+def test_fewer_kv_heads_keep_the_qwen3_qk_norms():
+    parent = from_parent(tiny_parent("qwen3"))
+    source = parent_subblock(parent, 1, "attention")
+    torch.manual_seed(3)
+    x = torch.randn(2, 24, SHAPE["hidden_size"])
+    position = parent.model.rotary_emb(x, torch.arange(24).unsqueeze(0))
+    with torch.no_grad():
+        target = source(x, position)
+    # The parent's own head count, initialised the way BLD does, is the parent subblock exactly.
+    same = initialise(source, AttentionVariant("gqa", 2), parent.config, 1, x, target)
+    with torch.no_grad():
+        torch.testing.assert_close(same(x, position), target, rtol=0, atol=1e-6)
+    narrow = initialise(source, AttentionVariant("gqa", 1), parent.config, 1, x, target).layer.self_attn
+    assert narrow.num_key_value_heads == 1
+    assert torch.equal(narrow.q_norm.weight, source.layer.self_attn.q_norm.weight)
+    assert torch.equal(narrow.k_norm.weight, source.layer.self_attn.k_norm.weight)
+
+
+@pytest.mark.parametrize("family", ["qwen3"])
+def test_streamed_parent_reads_the_families_tensors(family, tmp_path):
+    path = save_with_tokenizer(tiny_parent(family), tmp_path / family)
+    whole = from_parent(tiny_parent(family))
+    streamed = StreamedParent.open(path, load_config(str(path)), dtype=torch.float32, device="cpu", spec=str(path))
+    assert streamed is not None
+    expected = whole.state_dict()
+    for i in range(SHAPE["num_hidden_layers"]):
+        with streamed.hold(i) as layer:
+            for name, tensor in layer.state_dict().items():
+                assert torch.equal(tensor, expected[f"model.layers.{i}.{name}"]), name
+
+
+@pytest.mark.parametrize("family", ["qwen3"])
+def test_search_gkd_eval_and_hf_export_run_on_the_family(family, text_file, tmp_path):
+    parent = save_with_tokenizer(tiny_parent(family), tmp_path / "parent")
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text(TINY_PUZZLE_RECIPE)
+    child = tmp_path / "child"
+    result = runner.invoke(app, ["search", "--model", str(parent), "--target", "cpu", "--recipe", str(recipe),
+                                 "--throughput", "1.3x", "--data", str(text_file), "--out", str(child),
+                                 "--gkd-tokens", "256", *GKD, "--json"])
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    assert payload["gkd"]["after"]["kl_div"] < payload["gkd"]["before"]["kl_div"]
+    config = json.loads((child / "config.json").read_text())
+    assert config["model_type"] == "mlx_decilm"
+    assert {k: config.get(k) for k in FAMILY_FIELDS[family]} == FAMILY_FIELDS[family]
+
+    evaluated = runner.invoke(app, ["eval", str(child), "--reference", str(parent), "--data", str(text_file),
+                                    "--seq-len", "32", "--max-tokens", "512", "--json"])
+    assert evaluated.exit_code == 0, evaluated.output
+    assert json.loads(evaluated.stdout)["kl_div"] > 0
+
+    exported = runner.invoke(app, ["export", str(child), "--format", "hf", "--out", str(tmp_path / "hf")])
+    assert exported.exit_code == 0, exported.output
+    ids = random_ids(1, 40)[0].tolist()
+    remote, info = logits_without_mlxkit(tmp_path / "hf", ids, tmp_path)
+    assert info["class"] == "MlxDeciLMForCausalLM" and not info["mlxkit_loaded"]
+    np.testing.assert_allclose(remote, torch_logits(child, ids).numpy(), rtol=0, atol=1e-5)
