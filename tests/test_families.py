@@ -30,19 +30,31 @@ SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_att
              head_dim=16, vocab_size=128, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=2,
              tie_word_embeddings=False)
 # What each family's child must carry in its config.json for a loader without mlxkit.
-FAMILY_FIELDS = {"qwen3": {"qk_norm": True}}
+FAMILY_FIELDS = {"qwen3": {"qk_norm": True}, "phi3": {"qk_norm": False}}
 GKD = ["--gkd-set", "data.seq_len=32", "--gkd-set", "data.held_out_sequences=2", "--gkd-set",
        "optim.batch_sequences=4"]
 
 
-def tiny_parent(family: str, seed: int = 0):
-    """A random parent of `family` built from transformers' own config and model classes."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+# Phi-3.5's RoPE: other frequencies past `original_max_position_embeddings`, which the random
+# tokens below (48) pass.
+LONGROPE = dict(rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                 "short_factor": [1.0, 1.1, 1.2, 1.5, 2.0, 2.5, 3.0, 4.0],
+                                 "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 10.0]},
+                original_max_position_embeddings=32)
 
-    classes = {"qwen3": (Qwen3Config, Qwen3ForCausalLM)}
-    config_class, model_class = classes[family]
+
+def tiny_parent(family: str, seed: int = 0, **overrides):
+    """A random parent of `family` built from transformers' own config and model classes."""
+    from transformers import (MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM)
+
+    classes = {"qwen3": (Qwen3Config, Qwen3ForCausalLM, {}), "phi3": (Phi3Config, Phi3ForCausalLM, {}),
+               "phi3-longrope": (Phi3Config, Phi3ForCausalLM, LONGROPE),
+               # A window as long as the model's positions never hides a token: full attention.
+               "mistral-full-window": (MistralConfig, MistralForCausalLM, {"sliding_window": 256})}
+    config_class, model_class, fields = classes[family]
     torch.manual_seed(seed)
-    model = model_class(config_class(**SHAPE)).eval()
+    model = model_class(config_class(**{**SHAPE, **fields, **overrides})).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if param.dim() == 2:
@@ -59,7 +71,7 @@ def random_ids(batch: int = 2, length: int = 48, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, SHAPE["vocab_size"], (batch, length), generator=generator)
 
 
-@pytest.mark.parametrize("family", ["qwen3"])
+@pytest.mark.parametrize("family", ["qwen3", "phi3", "phi3-longrope", "mistral-full-window"])
 def test_converted_parent_gives_the_parents_logits(family):
     parent = tiny_parent(family)
     ids = random_ids()
@@ -104,7 +116,7 @@ def test_fewer_kv_heads_keep_the_qwen3_qk_norms():
     assert torch.equal(narrow.k_norm.weight, source.layer.self_attn.k_norm.weight)
 
 
-@pytest.mark.parametrize("family", ["qwen3"])
+@pytest.mark.parametrize("family", ["qwen3", "phi3"])
 def test_streamed_parent_reads_the_families_tensors(family, tmp_path):
     path = save_with_tokenizer(tiny_parent(family), tmp_path / family)
     whole = from_parent(tiny_parent(family))
@@ -115,9 +127,12 @@ def test_streamed_parent_reads_the_families_tensors(family, tmp_path):
         with streamed.hold(i) as layer:
             for name, tensor in layer.state_dict().items():
                 assert torch.equal(tensor, expected[f"model.layers.{i}.{name}"]), name
+    # The fingerprint's samples, read element by element, land on the same values (fused rows included).
+    for name in ("model.layers.2.self_attn.k_proj.weight", "model.layers.2.mlp.up_proj.weight"):
+        assert torch.equal(streamed.sampled_values(name, 7, 50), expected[name].reshape(-1)[::7][:50])
 
 
-@pytest.mark.parametrize("family", ["qwen3"])
+@pytest.mark.parametrize("family", ["qwen3", "phi3"])
 def test_search_gkd_eval_and_hf_export_run_on_the_family(family, text_file, tmp_path):
     parent = save_with_tokenizer(tiny_parent(family), tmp_path / "parent")
     recipe = tmp_path / "tiny.yaml"
@@ -144,3 +159,45 @@ def test_search_gkd_eval_and_hf_export_run_on_the_family(family, text_file, tmp_
     remote, info = logits_without_mlxkit(tmp_path / "hf", ids, tmp_path)
     assert info["class"] == "MlxDeciLMForCausalLM" and not info["mlxkit_loaded"]
     np.testing.assert_allclose(remote, torch_logits(child, ids).numpy(), rtol=0, atol=1e-5)
+
+
+def _refused_configs():
+    from transformers import GPT2Config, Gemma2Config, Gemma3TextConfig, MistralConfig, Phi3Config, Qwen2Config
+
+    small = {k: SHAPE[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                                   "num_key_value_heads", "vocab_size", "max_position_embeddings", "bos_token_id",
+                                   "eos_token_id", "pad_token_id")}
+    return {
+        "gemma2": (Gemma2Config(**small, head_dim=16), "soft-capping"),
+        "gemma3": (Gemma3TextConfig(**small, head_dim=16), "(1 + weight)"),
+        "mistral-window": (MistralConfig(**small, sliding_window=16), "sliding-window attention (a window of 16"),
+        "qwen2-window": (Qwen2Config(**small, use_sliding_window=True, sliding_window=16, max_window_layers=2),
+                         "sliding-window attention"),
+        "phi4-mini-partial-rotary": (Phi3Config(**small, partial_rotary_factor=0.75),
+                                     "partial rotary embeddings (partial_rotary_factor 0.75)"),
+        "gpt2": (GPT2Config(n_embd=64, n_layer=2, n_head=4), "got model_type 'gpt2'"),
+    }
+
+
+@pytest.mark.parametrize("case", ["gemma2", "gemma3", "mistral-window", "qwen2-window", "phi4-mini-partial-rotary",
+                                  "gpt2"])
+def test_parents_the_child_cannot_reproduce_are_refused_naming_what_is_missing(case):
+    from mlxkit.engines.errors import InputError
+    from mlxkit.engines.models.decilm.convert import child_config
+
+    config, feature = _refused_configs()[case]
+    with pytest.raises(InputError) as refused:
+        child_config(config)
+    assert feature in str(refused.value)
+
+
+def test_search_refuses_a_gemma2_parent_before_any_work(text_file, tmp_path):
+    from transformers import Gemma2ForCausalLM
+
+    config, _ = _refused_configs()["gemma2"]
+    parent = save_with_tokenizer(Gemma2ForCausalLM(config), tmp_path / "gemma2")
+    result = runner.invoke(app, ["search", "--model", str(parent), "--target", "cpu", "--data", str(text_file),
+                                 "--out", str(tmp_path / "child")])
+    assert result.exit_code == 2, result.output
+    assert "gemma parents are not supported" in result.output and "soft-capping" in result.output
+    assert not (tmp_path / "child").exists()

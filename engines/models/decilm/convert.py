@@ -1,4 +1,4 @@
-"""Turn a Llama-family parent into the heterogeneous class, and describe children of it."""
+"""Turn a parent of a supported family into the heterogeneous class, and describe children of it."""
 
 from __future__ import annotations
 
@@ -8,12 +8,14 @@ from typing import Container, Iterator, Sequence
 import torch
 
 from mlxkit.engines.errors import InputError
+from mlxkit.engines.models import families
 from mlxkit.engines.models.decilm.blocks import BlockChoice, ParentShape
 from mlxkit.engines.models.decilm.configuration_mlx_decilm import MlxDeciLMConfig
 from mlxkit.engines.models.decilm.modeling_mlx_decilm import MlxDeciLMForCausalLM
 
-# Llama-shaped families: pre-norm, RoPE, SwiGLU, separate q/k/v/o projections (Qwen3 adds per-head q/k norms).
-SUPPORTED_PARENTS = {"llama", "mistral", "qwen2", "qwen3", "mlx_decilm"}
+# Which parents convert, and how their checkpoints map onto the child, is the family layer's
+# (engines/models/families); this module builds the child from what a family says.
+SUPPORTED_PARENTS = families.supported_model_types()
 _CARRIED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                    "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps",
                    "tie_word_embeddings", "rope_parameters", "attention_bias", "mlp_bias", "bos_token_id",
@@ -21,27 +23,18 @@ _CARRIED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden
 
 
 def check_parent(config) -> None:
-    if config.model_type not in SUPPORTED_PARENTS:
-        raise InputError(f"Puzzle needs a Llama-family parent ({', '.join(sorted(SUPPORTED_PARENTS))}); "
-                         f"got model_type '{config.model_type}'")
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", False):
-        raise InputError("parents with sliding-window attention are not supported yet")
+    """Refuse a parent whose family, or a feature of whose config, the child cannot reproduce (InputError)."""
+    families.check_parent(config)
 
 
 def child_config(parent_config, choices: Sequence[BlockChoice] | None = None) -> MlxDeciLMConfig:
     """The heterogeneous config of a child of `parent_config` (the parent itself when `choices` is None)."""
-    check_parent(parent_config)
+    family = families.check_parent(parent_config)
+    fields = {k: getattr(parent_config, k) for k in _CARRIED_FIELDS if hasattr(parent_config, k)}
     if parent_config.model_type == "mlx_decilm":
-        fields = {k: getattr(parent_config, k) for k in _CARRIED_FIELDS if hasattr(parent_config, k)}
         fields["num_key_value_heads"] = parent_config.parent_num_key_value_heads
         fields["intermediate_size"] = parent_config.parent_intermediate_size
-    else:
-        fields = {k: getattr(parent_config, k) for k in _CARRIED_FIELDS if hasattr(parent_config, k)}
-    if parent_config.model_type == "qwen2":
-        # Qwen2 has q/k/v biases but no o bias; our GQA block uses one flag for all four.
-        fields["attention_bias"] = True
-    if parent_config.model_type == "qwen3":
-        fields["qk_norm"] = True
+    fields.update(family.child_fields)
     fields["head_dim"] = getattr(parent_config, "head_dim", None) or \
         parent_config.hidden_size // parent_config.num_attention_heads
     shape = ParentShape.from_config(parent_config)
@@ -58,37 +51,47 @@ def child_config(parent_config, choices: Sequence[BlockChoice] | None = None) ->
 
 
 def from_parent(parent_model) -> MlxDeciLMForCausalLM:
-    """The parent as an `MlxDeciLMForCausalLM` with every layer at the parent's shape (same weights)."""
+    """The parent as an `MlxDeciLMForCausalLM` with every layer at the parent's shape (same weights).
+
+    Tensors are shared with the parent, fused ones as row views; a tensor the family's checkpoints
+    lack is zeros. The parent model itself is left as it was.
+    """
     config = child_config(parent_model.config)
-    if parent_model.config.model_type == "qwen2":
-        _add_zero_o_proj_bias(parent_model)
     config._attn_implementation = getattr(parent_model.config, "_attn_implementation", None) or "sdpa"
     with torch.device("meta"):
         model = MlxDeciLMForCausalLM(config)
-    state = parent_model.state_dict()
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
-    unexpected = [k for k in unexpected if "rotary_emb" not in k]
+    stored = parent_model.state_dict()
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    sources = families.parent_sources(parent_model.config, shapes, stored)
+    weight = next(parent_model.parameters())
+    missing = sorted({s.name for s in sources.values() if s.name is not None and s.name not in stored})
+    used = {s.name for s in sources.values()}
+    unexpected = [k for k in stored if k not in used and "rotary_emb" not in k
+                  and not (k == "lm_head.weight" and config.tie_word_embeddings)]
     if missing or unexpected:
-        raise InputError(f"parent weights do not match the Llama layout: missing {missing[:4]}, "
-                         f"unexpected {unexpected[:4]}")
+        raise InputError(f"parent weights do not match the {families.family_of(parent_model.config).name} layout: "
+                         f"missing {missing[:4]}, unexpected {unexpected[:4]}")
+    state = {}
+    for name, source in sources.items():
+        if source.name is None:
+            state[name] = torch.zeros(shapes[name], dtype=weight.dtype, device=weight.device)
+        else:
+            tensor = stored[source.name]
+            state[name] = tensor if source.rows is None else tensor[source.rows[0]:source.rows[1]]
+        if tuple(state[name].shape) != shapes[name]:
+            raise InputError(f"parent tensor for '{name}' has shape {tuple(state[name].shape)}; the converted "
+                             f"parent needs {shapes[name]}")
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.tie_weights()
-    weight = next(parent_model.parameters())
     model = model.to(weight.dtype)
     # The RoPE buffers were on meta. They are computed on the CPU and kept in float32 whatever
     # the weights' dtype, as transformers keeps them: bfloat16 frequencies would turn the
     # angles of late positions into noise.
     model.model.rotary_emb = type(model.model.rotary_emb)(config=config).to(weight.device)
     return model.eval()
-
-
-def _add_zero_o_proj_bias(parent_model) -> None:
-    for layer in parent_model.model.layers:
-        o_proj = layer.self_attn.o_proj
-        if o_proj.bias is None:
-            o_proj.bias = torch.nn.Parameter(torch.zeros(o_proj.out_features, dtype=o_proj.weight.dtype,
-                                                         device=o_proj.weight.device))
 
 
 def parent_skeleton(parent_config) -> MlxDeciLMForCausalLM:
@@ -110,14 +113,29 @@ def parent_file_name(name: str, parent_config, stored: Container[str]) -> str | 
     """The name, in the parent's own checkpoint (whose tensor names are `stored`), of the converted
     parent's tensor `name`; None for a tensor `from_parent` fills with zeros.
 
-    The Llama-family layout and the converted class share their names; a tied head is the
-    embedding; Qwen2 checkpoints have no o_proj bias, which the converted class holds as zeros.
+    The family layout and the converted class share their names; a tied head is the embedding; a
+    tensor the family's checkpoints may lack (Qwen2's o_proj bias) is held as zeros. A tensor that
+    a family stores fused with others has no name of its own: `parent_sources` gives its rows.
     """
+    family = families.family_of(parent_config)
     if name == "lm_head.weight" and parent_config.tie_word_embeddings:
         return "model.embed_tokens.weight"
-    if name not in stored and parent_config.model_type == "qwen2" and name.endswith(".self_attn.o_proj.bias"):
-        return None
+    if name.startswith(families.LAYER_PREFIX):
+        rest = name[len(families.LAYER_PREFIX):].split(".", 1)[1]
+        part = family.fused_part(rest)
+        if part is not None:
+            raise InputError(f"'{name}' is stored in rows of '{part[0].stored}' by {family.name} parents; "
+                             "read it through parent_sources")
+        if rest in family.absent_as_zeros and name not in stored:
+            return None
     return name
+
+
+def parent_sources(parent_config, model: MlxDeciLMForCausalLM, stored: Container[str]) -> dict[str, families.Source]:
+    """For each tensor of the converted parent `model` (real or on meta), where the parent's checkpoint
+    (whose tensor names are `stored`) holds it: a whole tensor, a row range of a fused one, or nothing."""
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    return families.parent_sources(parent_config, shapes, stored)
 
 
 class StreamedParent:
@@ -133,9 +151,9 @@ class StreamedParent:
 
     streamed = True
 
-    def __init__(self, model: MlxDeciLMForCausalLM, loader, files: dict[str, str | None], *, dtype: torch.dtype,
-                 device: torch.device, spec: str) -> None:
-        self.model, self.loader, self.files = model, loader, files
+    def __init__(self, model: MlxDeciLMForCausalLM, loader, sources: dict[str, families.Source], *,
+                 dtype: torch.dtype, device: torch.device, spec: str) -> None:
+        self.model, self.loader, self.sources = model, loader, sources
         self.dtype, self.device, self.spec = dtype, device, spec
         self._holders: dict[int, int] = {}
 
@@ -149,20 +167,17 @@ class StreamedParent:
         check_parent(parent_config)
         model = parent_skeleton(parent_config)
         loader = LazyTensorLoader.from_path(directory)
-        files: dict[str, str | None] = {}
-        for name, tensor in model.state_dict().items():
-            files[name] = parent_file_name(name, parent_config, loader.index)
-            if files[name] is not None and (files[name] not in loader.index
-                                            or loader.info(files[name]).shape != tuple(tensor.shape)):
-                loader.close()
-                return None
+        sources = parent_sources(parent_config, model, loader.index)
+        if not _stored_as_described(sources, model, loader):
+            loader.close()
+            return None
         device = torch.device(device)
-        parent = cls(model, loader, files, dtype=dtype, device=device, spec=spec)
+        parent = cls(model, loader, sources, dtype=dtype, device=device, spec=spec)
         model.model.rotary_emb.to(device)
         tied = model.config.tie_word_embeddings
-        names = [name for name in files if not name.startswith("model.layers.")
+        names = [name for name in sources if not name.startswith("model.layers.")
                  and not (tied and name == "lm_head.weight")]  # a tied head is the embedding, read once
-        model.load_state_dict({name: parent._read(name) for name in names}, strict=False, assign=True)
+        model.load_state_dict(parent._read(names), strict=False, assign=True)
         if tied:
             model.tie_weights()
         return parent
@@ -171,34 +186,47 @@ class StreamedParent:
     def config(self):
         return self.model.config
 
-    def _read(self, name: str) -> torch.Tensor:
-        """The converted parent's tensor `name`, from the files, in the compute dtype on the device."""
+    def _read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """The converted parent's tensors `names`, from the files, in the compute dtype on the device.
+
+        A fused stored tensor is read once for all the names it holds, which are row views of it.
+        """
         from mlxkit.engines.errors import NonFiniteError
 
-        file_name = self.files[name]
-        if file_name is None:
-            shape = self.model.get_parameter(name).shape
-            return torch.zeros(shape, dtype=self.dtype, device=self.device)
-        tensor = self.loader.get_tensor(file_name)
-        if tensor.is_floating_point():
-            tensor = tensor.to(self.dtype)
-            if not torch.isfinite(tensor).all():
-                raise NonFiniteError(f"model '{self.spec}' has NaN or infinite values in '{file_name}'")
-        return tensor.to(self.device)
+        stored: dict[str, torch.Tensor] = {}
+        out = {}
+        for name in names:
+            source = self.sources[name]
+            if source.name is None:
+                out[name] = torch.zeros(self.model.get_parameter(name).shape, dtype=self.dtype, device=self.device)
+                continue
+            if source.name not in stored:
+                tensor = self.loader.get_tensor(source.name)
+                if tensor.is_floating_point():
+                    tensor = tensor.to(self.dtype)
+                    if not torch.isfinite(tensor).all():
+                        raise NonFiniteError(f"model '{self.spec}' has NaN or infinite values in '{source.name}'")
+                stored[source.name] = tensor.to(self.device)
+            tensor = stored[source.name]
+            out[name] = tensor if source.rows is None else tensor[source.rows[0]:source.rows[1]]
+        return out
 
     def sampled_values(self, name: str, stride: int, count: int) -> torch.Tensor:
         """`tensor.reshape(-1)[::stride][:count]` of the converted parent's tensor `name`, in float32 on the
         CPU, read element by element (the values `model_fingerprint` samples, without reading the tensor)."""
-        file_name = self.files[name]
-        indices = range(0, self.model.get_parameter(name).numel(), stride)[:count]
-        if file_name is None:
+        source = self.sources[name]
+        shape = self.model.get_parameter(name).shape
+        indices = range(0, shape.numel(), stride)[:count]
+        if source.name is None:
             return torch.zeros(len(indices), dtype=torch.float32)
-        values = self.loader.get_elements(file_name, indices)
+        # Rows of a fused tensor are contiguous in it: the part's elements start at its first row's.
+        offset = source.rows[0] * (shape.numel() // shape[0]) if source.rows is not None else 0
+        values = self.loader.get_elements(source.name, [offset + i for i in indices])
         return values.to(self.dtype).to(torch.float32)
 
     def layer_names(self, index: int) -> list[str]:
         prefix = f"model.layers.{index}."
-        return [name for name in self.files if name.startswith(prefix)]
+        return [name for name in self.sources if name.startswith(prefix)]
 
     @contextlib.contextmanager
     def hold(self, index: int) -> Iterator[torch.nn.Module]:
@@ -206,7 +234,8 @@ class StreamedParent:
         layer = self.model.model.layers[index]
         if not self._holders.get(index):
             prefix = f"model.layers.{index}."
-            layer.load_state_dict({name[len(prefix):]: self._read(name) for name in self.layer_names(index)},
+            tensors = self._read(self.layer_names(index))
+            layer.load_state_dict({name[len(prefix):]: tensor for name, tensor in tensors.items()},
                                   strict=True, assign=True)
         self._holders[index] = self._holders.get(index, 0) + 1
         try:
@@ -222,6 +251,26 @@ class StreamedParent:
 
     def close(self) -> None:
         self.loader.close()
+
+
+def _stored_as_described(sources: dict[str, families.Source], model: MlxDeciLMForCausalLM, loader) -> bool:
+    """Whether the files hold every source with the shape the converted class needs (a fused tensor: all
+    its rows, each part's width)."""
+    state = model.state_dict()
+    rows: dict[str, int] = {}
+    for name, source in sources.items():
+        if source.name is None:
+            continue
+        if source.name not in loader.index:
+            return False
+        stored, needed = loader.info(source.name).shape, tuple(state[name].shape)
+        if source.rows is None and stored != needed:
+            return False
+        if source.rows is not None:
+            if tuple(stored[1:]) != needed[1:]:
+                return False
+            rows[source.name] = max(rows.get(source.name, 0), source.rows[1])
+    return all(loader.info(name).shape[0] == count for name, count in rows.items())
 
 
 class ResidentParent:
