@@ -42,6 +42,7 @@ def search_command(
     gkd_tokens: Annotated[Optional[int], typer.Option("--gkd-tokens", min=1, help="Then distil the child against the parent (GKD) on this many tokens of --data (default: text sampled from the parent); resumable.")] = None,
     gkd_recipe: Annotated[str, typer.Option("--gkd-recipe", help="Distillation recipe for --gkd-tokens (name or YAML path).")] = "gkd",
     gkd_set: GkdSetOpt = [],
+    engine: Annotated[Optional[str], typer.Option("--engine", help="The serving engine the child is for: vllm, sglang, trtllm, llamacpp or transformers. Searches only the blocks it builds (vllm/sglang: no linear attention or FFN, Nemotron-NAS widths) and is recorded in the manifest. Default: the target profile's (GPUs: vllm; cpu-llamacpp: llamacpp; cpu: transformers).")] = None,
     export: Annotated[Optional[str], typer.Option("--export", help="Search only what this serving format can hold (gguf: no linear FFN; nemotron-nas: widths exact as ffn_mult), then export the child into --out: model-DTYPE.gguf or export-FORMAT/.")] = None,
     export_dtype: Annotated[Optional[str], typer.Option("--export-dtype", help="f32 | f16 | q8_0 (q8_0: gguf only; "
                                                         "default f32). Needs --export.")] = None,
@@ -87,7 +88,7 @@ def search_command(
                             metric=metric, solutions=solutions, min_distance=min_distance, batch_sweep=sweep,
                             write_costs=write_costs, write_lp=write_lp, seed=seed, overwrite=overwrite,
                             allow_pickle=allow_pickle, gkd_tokens=gkd_tokens, gkd_recipe=gkd_recipe,
-                            gkd_overrides=flags_and_overrides({}, gkd_set), export=export, export_dtype=export_dtype or "f32",
+                            gkd_overrides=flags_and_overrides({}, gkd_set), export=export, export_dtype=export_dtype or "f32", engine=engine,
                             device=device, dtype=dtype, save_dtype=save_dtype, sharding=sharding, refine=refine)
     if throughput is not None and "," in throughput:
         if not dry_run:

@@ -25,6 +25,10 @@ def render_search(result: dict, console: Console, quiet: bool = False) -> None:
             table.add_row(str(row["layer"]), row["attention"], row["ffn"])
         console.print(table)
         summary = Table(show_header=False, title="prediction and held-out evaluation")
+        engine = result.get("engine")
+        if engine:
+            summary.add_row("serving engine", engine["name"] + (f" (without {', '.join(engine['excluded'])})"
+                                                                 if engine["excluded"] else ""))
         label = "predicted score (corrected in context)" if result.get("corrected") else "summed score"
         summary.add_row(label, f"{result['metric']} {_num(result['objective'])} ({result['status']}, "
                                f"solved in {result['solve_time_s']} s)")
@@ -75,6 +79,15 @@ def render_search(result: dict, console: Console, quiet: bool = False) -> None:
     if result.get("export"):
         console.print(f"[green]{result['export']['format']} ({result['export']['dtype']})[/green] "
                       f"{result['export']['out']}")
+    engine = result.get("engine")
+    if engine and result.get("out") and not quiet:
+        exported = (result.get("export") or {}).get("out")
+        if exported is None and engine["export_format"] != "hf":
+            suffix = ".gguf" if engine["export_format"] == "gguf" else f"-{engine['export_format']}"
+            exported = f"{result['out']}{suffix}"
+            console.print(f"[green]serve[/green] mlx export {result['out']} --format {engine['export_format']} "
+                          f"--out {exported}")
+        console.print(f"[green]serve[/green] {engine['serve'].replace('EXPORT', exported or result['out'])}")
 
 
 def render_frontier(result: dict, console: Console) -> None:

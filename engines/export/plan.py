@@ -116,7 +116,7 @@ def describe_model(spec: str, reporter: Reporter | None = None) -> ModelDescript
     layers = tuple(Layer(i, AttentionVariant.from_block_config(b["attention"], config.num_attention_heads),
                          FFNVariant.from_block_config(b["ffn"], config.hidden_size))
                    for i, b in enumerate(config.block_configs))
-    rope = _rope(config)
+    rope = rope_of(config)
     index = ShardedTensorIndex.from_path(directory)
     expected, optional = _expected_tensors(config, layers)
     _check_tensors(directory, index, expected, optional, tied=bool(config.tie_word_embeddings))
@@ -124,7 +124,7 @@ def describe_model(spec: str, reporter: Reporter | None = None) -> ModelDescript
                             frozenset(optional))
 
 
-def _rope(config) -> Rope:
+def rope_of(config) -> Rope:
     """RoPE from `rope_parameters` (transformers 5), the only place a child's config.json keeps it.
 
     A top-level `rope_theta` is what transformers 4 wrote; AutoConfig folds it into

@@ -33,10 +33,29 @@ _NAS_CONFIGURATION = '''"""Nemotron-NAS config (`model_type="nemotron-nas"`), on
 
 Public DeciLM `block_configs` carry `n_heads_in_group` and `ffn_mult`; the base class turns
 them into exact KV-head counts and widths (DeciLM's rule: ceil_256(int(2*ffn_mult*hidden/3))).
+Serving engines (vLLM, SGLang, TensorRT-LLM) read each entry as an object
+(`config.block_configs[i].attention.no_op`, `.ffn.ffn_mult`), as NVIDIA's own configuration
+classes provide; the model code beside this file reads them as mappings. `BlockFields` is
+both, and being a dict it serialises to the public JSON unchanged.
 Written by mlxkit's `mlx export --format nemotron-nas`.
 """
 
 from .configuration_mlx_decilm import MlxDeciLMConfig
+
+
+class BlockFields(dict):
+    """A mapping whose keys are also attributes; a missing key is an AttributeError, so `hasattr` works."""
+
+    def __getattr__(self, name):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def _as_fields(block):
+    return BlockFields({key: BlockFields(value) if isinstance(value, dict) else value
+                        for key, value in dict(block).items()})
 
 
 class DeciLMConfig(MlxDeciLMConfig):
@@ -44,6 +63,7 @@ class DeciLMConfig(MlxDeciLMConfig):
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
+        self.block_configs = [_as_fields(block) for block in self.block_configs]
         self.architectures = ["DeciLMForCausalLM"]
 '''
 

@@ -80,6 +80,8 @@ class HardwareProfile(BaseModel):
     kernels : optional override of kernels per subblock (keys of `costs.DEFAULT_KERNELS`).
     default_scenario : the workload `mlx search` prices on this device when no `--scenario` is
         given (fields of `Scenario`: batch, input_len, output_len, weight_dtype, kv_dtype).
+    engine : the serving engine usually run on this device (a name in `engines/serving/capabilities.py`);
+        `mlx search` searches only what it builds unless `--engine` names another. None: transformers.
     sources : where each number comes from, keyed like the fields.
     """
 
@@ -98,6 +100,7 @@ class HardwareProfile(BaseModel):
     gemm_weight_passes: float = Field(default=0.0, ge=0)
     kernels: dict[str, int] | None = None
     default_scenario: Scenario | None = None
+    engine: str | None = None
     sources: dict[str, str]
     calibration: dict[str, Any] | None = None
 
@@ -110,6 +113,20 @@ class HardwareProfile(BaseModel):
         if not value or any(v <= 0 for v in value.values()):
             raise ValueError("peak_tflops needs at least one positive rate")
         return value
+
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, value: str | None) -> str | None:
+        from mlxkit.engines.serving.capabilities import ENGINES
+
+        if value is not None and value not in ENGINES:
+            raise ValueError(f"unknown serving engine '{value}'; known: {', '.join(ENGINES)}")
+        return value
+
+    @property
+    def serving_engine(self) -> str:
+        """The engine `mlx search` targets on this device unless `--engine` names another."""
+        return self.engine or "transformers"
 
     def scenario(self, text: str | None = None) -> Scenario:
         """This device's default scenario, with the fields given in `text` (`batch=64,weights=bf16`) replaced."""

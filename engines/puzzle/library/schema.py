@@ -199,17 +199,29 @@ class BlockLibrary(_Strict):
         """True for an mlxkit-built library, whose variants a child can be assembled from."""
         return self.parent is not None and self.converted_from is None
 
+    def with_attention_only(self, keep: Callable[[AttentionVariant], bool], why: str) -> "BlockLibrary":
+        """The same library with only the attention variants `keep` accepts (and the whole blocks that use them).
+
+        `why` completes the error raised when a layer would be left with no attention variant at all.
+        """
+        return self._with_variants_only("attention", keep, why)
+
     def with_ffn_only(self, keep: Callable[[FFNVariant], bool], why: str) -> "BlockLibrary":
         """The same library with only the FFN variants `keep` accepts (and the whole blocks that use them).
 
         `why` completes the error raised when a layer would be left with no FFN variant at all.
         """
+        return self._with_variants_only("ffn", keep, why)
+
+    def _with_variants_only(self, kind: Literal["attention", "ffn"], keep: Callable[[Any], bool],
+                            why: str) -> "BlockLibrary":
         layers = []
         for layer in self.layers:
-            ffn = {name: entry for name, entry in layer.ffn.items() if keep(entry.variant)}
-            if not ffn:
-                raise InputError(f"layer {layer.layer} has no FFN variant left {why} "
-                                 f"(it has: {', '.join(layer.ffn)})")
-            blocks = {name: block for name, block in layer.blocks.items() if block.ffn in ffn}
-            layers.append(layer.model_copy(update={"ffn": ffn, "blocks": blocks}))
+            entries = getattr(layer, kind)
+            kept = {name: entry for name, entry in entries.items() if keep(entry.variant)}
+            if not kept:
+                raise InputError(f"layer {layer.layer} has no {'FFN' if kind == 'ffn' else kind} variant left "
+                                 f"{why} (it has: {', '.join(entries)})")
+            blocks = {name: block for name, block in layer.blocks.items() if getattr(block, kind) in kept}
+            layers.append(layer.model_copy(update={kind: kept, "blocks": blocks}))
         return self.model_copy(update={"layers": layers})

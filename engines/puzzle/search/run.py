@@ -19,8 +19,10 @@ Plan (what exists is reused, what is missing is built):
 
 The parent is read once for the stages before GKD (`SearchParent`) and freed before GKD reads
 it as the teacher.
-  6. with `export`, the search space keeps only what that serving format can hold (no linear
-     FFN for llama.cpp; Nemotron-NAS-exact widths), and the saved child is exported into `out`.
+  6. the serving engine (`engine`, else the hardware profile's) limits the search space to the
+     blocks it builds (engines/serving/capabilities.py): a library built once serves every
+     engine, filtered here at solve time. With `export`, the space also keeps only what that
+     format can hold, and the saved child is exported into `out`.
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ class SearchOptions:
     gkd_recipe: str = "gkd"
     gkd_overrides: dict[str, Any] = field(default_factory=dict)
     export: str | None = None  # a format of `mlx export`: searched for, then written into `out`
+    engine: str | None = None  # the serving engine; None: the profile's (engines/serving/capabilities.py)
     export_dtype: str = "f32"
     device: str = "auto"                 # see engines/training/device.py for the device and dtype rule
     dtype: str = "auto"
@@ -97,6 +100,10 @@ class SearchOptions:
             from mlxkit.engines.export.plan import check_options
 
             check_options(self.export, self.export_dtype)
+        if self.engine is not None:
+            from mlxkit.engines.serving.capabilities import get_engine
+
+            get_engine(self.engine)  # an unknown name fails before any work
         if self.library is not None and self.recipe is not None:
             # The recipe fixes the search space of a library to build; a given library has its own.
             raise InputError(f"--recipe '{self.recipe}' builds a block library; --library '{self.library}' "
@@ -193,14 +200,21 @@ def _search(options: SearchOptions, reporter: Reporter, dist: Distributed, place
         reporter.notice(f"no budget given: searching for {DEFAULT_THROUGHPUT} the parent's throughput "
                         f"on {profile.name} ({scenario})")
 
-    if options.export is not None and options.library is None:
-        from mlxkit.engines.export import check_exportable
+    engine = None
+    if options.library is None:
+        # Before the library is built: a parent the engine or format cannot hold fails in seconds, not after BLD.
+        engine = _serving_engine(options, profile, options.model, reporter)
+        if options.export is not None:
+            from mlxkit.engines.export import check_exportable
 
-        # Before the library is built: a parent the format cannot hold fails in seconds, not after BLD.
-        check_exportable(options.model, options.export, options.export_dtype, reporter)
+            check_exportable(options.model, options.export, options.export_dtype, reporter)
     library_path, library = _library(options, reporter, dist)
+    if engine is None:
+        engine = _serving_engine(options, profile, library.parent.spec if library.parent else None, reporter)
+    library, excluded = _engine_library(library, engine, reporter)
     if options.export is not None:
         library = _exportable_library(library, options.export, options.export_dtype, reporter)
+    options = replace(options, engine=engine.name)
     shape = library.parent.shape if library.parent is not None else None
     parent = SearchParent(library.parent.spec, placement, options.allow_pickle, reporter) \
         if library.parent is not None else None
@@ -210,6 +224,8 @@ def _search(options: SearchOptions, reporter: Reporter, dist: Distributed, place
     if isinstance(solved, BaseException):
         raise solved
     result, scenario = solved.result, solved.scenario
+    result["engine"] = {"name": engine.name, "export_format": engine.export_format, "excluded": excluded,
+                        "serve": engine.serve}
     if library.has_trained_blocks and options.out is not None:
         assert parent is not None
         if options.gkd_tokens:
@@ -355,11 +371,7 @@ def _solve(options: SearchOptions, library: BlockLibrary, library_path: Path, sh
         reporter.notice("--refine skipped: it needs a library with trained blocks and its held-out tokens, "
                         "scored by a loss (kl_div or lm_loss)")
     choices = solution_block_choices(best)
-    if options.export == "gguf" and not any(c.attention.kind == "gqa" for c in choices):
-        from mlxkit.engines.errors import InfeasibleError
-
-        raise InfeasibleError("the solution keeps attention in no layer, and llama.cpp's deci architecture needs "
-                              "at least one: loosen the budget, or export to nemotron-nas or hf")
+    _check_attention_kept(choices, options)
 
     result: dict[str, Any] = {
         "target": profile.name, "scenario": scenario.to_dict(), "budgets": budgets.describe(), "caps": caps,
@@ -506,6 +518,80 @@ def _exportable_library(library: BlockLibrary, fmt: str, dtype: str, reporter: R
     return library.with_ffn_only(lambda variant: ffn_expressible(fmt, variant, hidden), f"that {fmt} can hold")
 
 
+def _serving_engine(options: SearchOptions, profile: HardwareProfile, parent_spec: str | None,
+                    reporter: Reporter):
+    """The engine the child is searched for: `--engine`, else the one `--export` implies, else the profile's.
+
+    An engine the user named that cannot hold the parent is an error; the profile's default engine
+    that cannot hold it gives way to transformers, with a notice that says why.
+    """
+    from mlxkit.engines.serving.capabilities import (ENGINES, check_engine_format, check_engine_holds_parent,
+                                                     engines_for_format, get_engine)
+
+    if options.engine is not None:
+        engine, named = get_engine(options.engine), True
+        if options.export is not None:
+            check_engine_format(engine, options.export)
+    else:
+        engine, named = get_engine(profile.serving_engine), False
+        if options.export is not None and engine.export_format != options.export:
+            engine = engines_for_format(options.export)[0]
+            reporter.notice(f"--export {options.export}: searching for {engine.title}, which loads it "
+                            f"({profile.name}'s usual engine is {profile.serving_engine}; --engine overrides)")
+    if parent_spec is None:
+        return engine
+    config, rope_type = _parent_config_and_rope(parent_spec, reporter)
+    try:
+        check_engine_holds_parent(engine, config, rope_type)
+    except InputError as exc:
+        if named:
+            raise
+        fallback = ENGINES["transformers"]
+        reporter.notice(f"{exc}: searching for {fallback.title} instead (pass --engine to choose)")
+        return fallback
+    return engine
+
+
+def _parent_config_and_rope(spec: str, reporter: Reporter) -> tuple[Any, str]:
+    from mlxkit.engines.export.plan import rope_of
+    from mlxkit.engines.models.loading import load_config
+
+    config = load_config(spec, reporter=reporter)
+    return config, rope_of(config).rope_type
+
+
+def _engine_library(library: BlockLibrary, engine, reporter: Reporter) -> tuple[BlockLibrary, list[str]]:
+    """`library` without the variants `engine` cannot build, and the names of those it dropped."""
+    hidden = library.parent.shape.hidden_size if library.parent is not None else None
+    dropped_attention = sorted({name for layer in library.layers for name, entry in layer.attention.items()
+                                if not engine.holds_attention(entry.variant)})
+    # Without the parent's shape (an NVlabs demo library) only the kinds can be checked, not the widths.
+    keep_ffn = (lambda v: engine.holds_ffn(v, hidden)) if hidden is not None else (lambda v: v.kind in engine.ffn)
+    dropped_ffn = sorted({name for layer in library.layers for name, entry in layer.ffn.items()
+                          if not keep_ffn(entry.variant)})
+    excluded = dropped_attention + dropped_ffn
+    if excluded:
+        reporter.notice(f"--engine {engine.name}: searching without {', '.join(excluded)}, which "
+                        f"{engine.title} cannot build (--engine trtllm or transformers keeps them)"
+                        if engine.name not in ("trtllm", "transformers") else
+                        f"--engine {engine.name}: searching without {', '.join(excluded)}, which "
+                        f"{engine.title} cannot build")
+    why = f"that {engine.title} can build"
+    library = library.with_attention_only(engine.holds_attention, why).with_ffn_only(keep_ffn, why)
+    return library, excluded
+
+
+def _check_attention_kept(choices: list[BlockChoice], options: SearchOptions) -> None:
+    from mlxkit.engines.errors import InfeasibleError
+    from mlxkit.engines.serving.capabilities import get_engine
+
+    engine = get_engine(options.engine or "transformers")
+    needs = engine.needs_attention_layer or options.export == "gguf"
+    if needs and not any(c.attention.kind == "gqa" for c in choices):
+        raise InfeasibleError(f"the solution keeps attention in no layer, and {engine.title} needs at least one: "
+                              "loosen the budget, or choose another --engine")
+
+
 def export_path(out: Path, fmt: str, dtype: str) -> Path:
     """Where `--export` writes inside the child directory: `model-<dtype>.gguf`, or `export-<format>/`."""
     return out / (f"model-{dtype}.gguf" if fmt == "gguf" else f"export-{fmt}")
@@ -582,7 +668,8 @@ def _build_and_distil(options: SearchOptions, library_path: Path, library: Block
         parent.release()  # GKD reads the parent again, as its teacher
     staged = dist.broadcast_object(staged)
     assert staged is not None
-    search_stages = {"library": str(library_path), "target": profile.name, "scenario": scenario.to_dict(),
+    search_stages = {"library": str(library_path), "target": profile.name, "engine": options.engine,
+                     "scenario": scenario.to_dict(),
                      "budgets": result["budgets"], "caps": result["caps"], "mip": {
                          "objective": result["objective"], "status": result["status"],
                          "metric": options.metric, "solve_time_s": result["solve_time_s"]},
@@ -676,8 +763,9 @@ def _build_child(options: SearchOptions, library_path: Path, library: BlockLibra
     manifest.add_input("parent", parent.spec, loaded.source.path)
     manifest.add_input("library", str(library_path), root.index_file)
     manifest.seeds = {"seed": options.seed}
-    manifest.settings = {"target": profile.name, "scenario": scenario.to_dict(), "budgets": result["budgets"],
-                         "caps": result["caps"], "metric": options.metric, "costs": options.costs,
+    manifest.settings = {"target": profile.name, "engine": options.engine, "scenario": scenario.to_dict(),
+                         "budgets": result["budgets"], "caps": result["caps"], "metric": options.metric,
+                         "costs": options.costs,
                          "recipe": None if options.library is not None else options.recipe or "quick"}
     manifest.results = {"objective": result["objective"], "predicted": result["predicted"],
                         "choices": result["choices"], "evaluation": evaluation, "num_params": n_params,

@@ -1,0 +1,1 @@
+"""Serving engines: what each builds, and running a child in vLLM."""
