@@ -30,7 +30,9 @@ SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_att
              head_dim=16, vocab_size=128, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=2,
              tie_word_embeddings=False)
 # What each family's child must carry in its config.json for a loader without mlxkit.
-FAMILY_FIELDS = {"qwen3": {"qk_norm": True}, "phi3": {"qk_norm": False}}
+FAMILY_FIELDS = {"llama": {"qk_norm": False}, "mistral": {"qk_norm": False},
+                 "qwen2": {"attention_bias": True, "qk_norm": False}, "qwen3": {"qk_norm": True},
+                 "phi3": {"qk_norm": False}}
 GKD = ["--gkd-set", "data.seq_len=32", "--gkd-set", "data.held_out_sequences=2", "--gkd-set",
        "optim.batch_sequences=4"]
 
@@ -41,14 +43,20 @@ LONGROPE = dict(rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
                                  "short_factor": [1.0, 1.1, 1.2, 1.5, 2.0, 2.5, 3.0, 4.0],
                                  "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 10.0]},
                 original_max_position_embeddings=32)
+# Llama 3.1's RoPE scaling, over a pretraining length the random tokens pass.
+LLAMA3 = dict(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
 
 
 def tiny_parent(family: str, seed: int = 0, **overrides):
     """A random parent of `family` built from transformers' own config and model classes."""
-    from transformers import (MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen3Config,
-                              Qwen3ForCausalLM)
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config,
+                              Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
-    classes = {"qwen3": (Qwen3Config, Qwen3ForCausalLM, {}), "phi3": (Phi3Config, Phi3ForCausalLM, {}),
+    classes = {"llama": (LlamaConfig, LlamaForCausalLM, {}), "llama3-rope": (LlamaConfig, LlamaForCausalLM, LLAMA3),
+               "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
+               "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+               "qwen3": (Qwen3Config, Qwen3ForCausalLM, {}), "phi3": (Phi3Config, Phi3ForCausalLM, {}),
                "phi3-longrope": (Phi3Config, Phi3ForCausalLM, LONGROPE),
                # A window as long as the model's positions never hides a token: full attention.
                "mistral-full-window": (MistralConfig, MistralForCausalLM, {"sliding_window": 256})}
@@ -71,7 +79,8 @@ def random_ids(batch: int = 2, length: int = 48, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, SHAPE["vocab_size"], (batch, length), generator=generator)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "phi3", "phi3-longrope", "mistral-full-window"])
+@pytest.mark.parametrize("family", ["llama", "llama3-rope", "mistral", "mistral-full-window", "qwen2", "qwen3",
+                                    "phi3", "phi3-longrope"])
 def test_converted_parent_gives_the_parents_logits(family):
     parent = tiny_parent(family)
     ids = random_ids()
@@ -132,7 +141,7 @@ def test_streamed_parent_reads_the_families_tensors(family, tmp_path):
         assert torch.equal(streamed.sampled_values(name, 7, 50), expected[name].reshape(-1)[::7][:50])
 
 
-@pytest.mark.parametrize("family", ["qwen3", "phi3"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "phi3"])
 def test_search_gkd_eval_and_hf_export_run_on_the_family(family, text_file, tmp_path):
     parent = save_with_tokenizer(tiny_parent(family), tmp_path / "parent")
     recipe = tmp_path / "tiny.yaml"
