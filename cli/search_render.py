@@ -27,8 +27,8 @@ def render_search(result: dict, console: Console, quiet: bool = False) -> None:
         summary = Table(show_header=False, title="prediction and held-out evaluation")
         engine = result.get("engine")
         if engine:
-            summary.add_row("serving engine", engine["name"] + (f" (without {', '.join(engine['excluded'])})"
-                                                                 if engine["excluded"] else ""))
+            dropped = [f"{kind} {name}" for kind, names in engine["excluded"].items() for name in names]
+            summary.add_row("serving engine", engine["name"] + (f" (without {', '.join(dropped)})" if dropped else ""))
         label = "predicted score (corrected in context)" if result.get("corrected") else "summed score"
         summary.add_row(label, f"{result['metric']} {_num(result['objective'])} ({result['status']}, "
                                f"solved in {result['solve_time_s']} s)")

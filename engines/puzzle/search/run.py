@@ -560,22 +560,23 @@ def _parent_config_and_rope(spec: str, reporter: Reporter) -> tuple[Any, str]:
     return config, rope_of(config).rope_type
 
 
-def _engine_library(library: BlockLibrary, engine, reporter: Reporter) -> tuple[BlockLibrary, list[str]]:
-    """`library` without the variants `engine` cannot build, and the names of those it dropped."""
+def _engine_library(library: BlockLibrary, engine, reporter: Reporter) -> tuple[BlockLibrary, dict[str, list[str]]]:
+    """`library` without the variants `engine` cannot build, and the names of those it dropped, per subblock."""
     hidden = library.parent.shape.hidden_size if library.parent is not None else None
-    dropped_attention = sorted({name for layer in library.layers for name, entry in layer.attention.items()
-                                if not engine.holds_attention(entry.variant)})
     # Without the parent's shape (an NVlabs demo library) only the kinds can be checked, not the widths.
     keep_ffn = (lambda v: engine.holds_ffn(v, hidden)) if hidden is not None else (lambda v: v.kind in engine.ffn)
-    dropped_ffn = sorted({name for layer in library.layers for name, entry in layer.ffn.items()
-                          if not keep_ffn(entry.variant)})
-    excluded = dropped_attention + dropped_ffn
-    if excluded:
-        reporter.notice(f"--engine {engine.name}: searching without {', '.join(excluded)}, which "
-                        f"{engine.title} cannot build (--engine trtllm or transformers keeps them)"
-                        if engine.name not in ("trtllm", "transformers") else
-                        f"--engine {engine.name}: searching without {', '.join(excluded)}, which "
-                        f"{engine.title} cannot build")
+    excluded = {
+        "attention": sorted({name for layer in library.layers for name, entry in layer.attention.items()
+                             if not engine.holds_attention(entry.variant)}),
+        "ffn": sorted({name for layer in library.layers for name, entry in layer.ffn.items()
+                       if not keep_ffn(entry.variant)}),
+    }
+    if excluded["attention"] or excluded["ffn"]:
+        parts = [f"{label} {', '.join(names)}" for label, names in (("attention", excluded["attention"]),
+                                                                     ("FFN", excluded["ffn"])) if names]
+        keeps = "" if engine.name in ("trtllm", "transformers") else " (--engine trtllm or transformers keeps them)"
+        reporter.notice(f"--engine {engine.name}: searching without {' and '.join(parts)}, which {engine.title} "
+                        f"cannot build{keeps}")
     why = f"that {engine.title} can build"
     library = library.with_attention_only(engine.holds_attention, why).with_ffn_only(keep_ffn, why)
     return library, excluded
