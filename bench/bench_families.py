@@ -29,7 +29,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-FAMILIES = ("llama", "llama3-rope", "mistral", "qwen2", "qwen3", "phi3", "phi3-longrope")
+FAMILIES = ("llama", "llama3-rope", "mistral", "mistral-window", "qwen2", "qwen3", "phi3", "phi3-longrope",
+            "phi3-window")
 GKD = ["--gkd-set", "data.seq_len=32", "--gkd-set", "data.held_out_sequences=2", "--gkd-set",
        "optim.batch_sequences=4"]
 

@@ -30,7 +30,8 @@ SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_att
              head_dim=16, vocab_size=128, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=2,
              tie_word_embeddings=False)
 # What each family's child must carry in its config.json for a loader without mlxkit.
-FAMILY_FIELDS = {"llama": {"qk_norm": False}, "mistral": {"qk_norm": False},
+FAMILY_FIELDS = {"llama": {"qk_norm": False}, "mistral": {"qk_norm": False, "sliding_window": None},
+                 "mistral-window": {"sliding_window": 16}, "phi3-window": {"sliding_window": 16},
                  "qwen2": {"attention_bias": True, "qk_norm": False}, "qwen3": {"qk_norm": True},
                  "phi3": {"qk_norm": False}}
 GKD = ["--gkd-set", "data.seq_len=32", "--gkd-set", "data.held_out_sequences=2", "--gkd-set",
@@ -59,7 +60,12 @@ def tiny_parent(family: str, seed: int = 0, **overrides):
                "qwen3": (Qwen3Config, Qwen3ForCausalLM, {}), "phi3": (Phi3Config, Phi3ForCausalLM, {}),
                "phi3-longrope": (Phi3Config, Phi3ForCausalLM, LONGROPE),
                # A window as long as the model's positions never hides a token: full attention.
-               "mistral-full-window": (MistralConfig, MistralForCausalLM, {"sliding_window": 256})}
+               "mistral-full-window": (MistralConfig, MistralForCausalLM, {"sliding_window": 256}),
+               # Windows far shorter than the random tokens (48) and the generations past them.
+               "mistral-window": (MistralConfig, MistralForCausalLM, {"sliding_window": 16}),
+               "phi3-window": (Phi3Config, Phi3ForCausalLM, {"sliding_window": 16}),
+               "qwen2-window": (Qwen2Config, Qwen2ForCausalLM, {"use_sliding_window": True, "sliding_window": 16,
+                                                                 "max_window_layers": 0})}
     config_class, model_class, fields = classes[family]
     torch.manual_seed(seed)
     model = model_class(config_class(**{**SHAPE, **fields, **overrides})).eval()
@@ -79,8 +85,8 @@ def random_ids(batch: int = 2, length: int = 48, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, SHAPE["vocab_size"], (batch, length), generator=generator)
 
 
-@pytest.mark.parametrize("family", ["llama", "llama3-rope", "mistral", "mistral-full-window", "qwen2", "qwen3",
-                                    "phi3", "phi3-longrope"])
+@pytest.mark.parametrize("family", ["llama", "llama3-rope", "mistral", "mistral-full-window", "mistral-window",
+                                    "qwen2", "qwen2-window", "qwen3", "phi3", "phi3-longrope", "phi3-window"])
 def test_converted_parent_gives_the_parents_logits(family):
     parent = tiny_parent(family)
     ids = random_ids()
@@ -90,6 +96,23 @@ def test_converted_parent_gives_the_parents_logits(family):
         torch.testing.assert_close(converted(ids).logits, expected, rtol=0, atol=1e-5)
     greedy = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert converted.generate(ids[:1], **greedy).tolist() == parent.generate(ids[:1], **greedy).tolist()
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_a_windowed_layer_run_on_its_own_keeps_the_window(attention):
+    """BLD runs one layer at a time without the model's mask: past the window it must still see only the window."""
+    parent = tiny_parent("mistral-window")
+    parent.config._attn_implementation = attention
+    ids = random_ids(2, 40)
+    converted = from_parent(parent)
+    assert converted.config.sliding_window == 16
+    with torch.no_grad():
+        states = parent(ids, output_hidden_states=True).hidden_states
+        full = from_parent(tiny_parent("mistral"))(ids).logits
+        assert (full - parent(ids).logits).abs().max() > 1e-2  # the window matters on these tokens
+        position = converted.model.rotary_emb(states[0], torch.arange(40).unsqueeze(0))
+        alone = converted.model.layers[0](states[0], position)
+    torch.testing.assert_close(alone, states[1], rtol=0, atol=1e-5)
 
 
 def test_qwen3_child_carries_qk_norm_and_reloads_from_its_config(tmp_path):
@@ -141,7 +164,7 @@ def test_streamed_parent_reads_the_families_tensors(family, tmp_path):
         assert torch.equal(streamed.sampled_values(name, 7, 50), expected[name].reshape(-1)[::7][:50])
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "phi3"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "mistral-window", "qwen2", "qwen3", "phi3", "phi3-window"])
 def test_search_gkd_eval_and_hf_export_run_on_the_family(family, text_file, tmp_path):
     parent = save_with_tokenizer(tiny_parent(family), tmp_path / "parent")
     recipe = tmp_path / "tiny.yaml"
@@ -171,7 +194,7 @@ def test_search_gkd_eval_and_hf_export_run_on_the_family(family, text_file, tmp_
 
 
 def _refused_configs():
-    from transformers import GPT2Config, Gemma2Config, Gemma3TextConfig, MistralConfig, Phi3Config, Qwen2Config
+    from transformers import GPT2Config, Gemma2Config, Gemma3TextConfig, Phi3Config, Qwen2Config
 
     small = {k: SHAPE[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                                    "num_key_value_heads", "vocab_size", "max_position_embeddings", "bos_token_id",
@@ -179,17 +202,16 @@ def _refused_configs():
     return {
         "gemma2": (Gemma2Config(**small, head_dim=16), "soft-capping"),
         "gemma3": (Gemma3TextConfig(**small, head_dim=16), "(1 + weight)"),
-        "mistral-window": (MistralConfig(**small, sliding_window=16), "sliding-window attention (a window of 16"),
-        "qwen2-window": (Qwen2Config(**small, use_sliding_window=True, sliding_window=16, max_window_layers=2),
-                         "sliding-window attention"),
+        # Qwen's windows start at layer max_window_layers: the layers before it attend to everything.
+        "qwen2-some-windowed": (Qwen2Config(**small, use_sliding_window=True, sliding_window=16, max_window_layers=2),
+                                "sliding-window attention on some layers only"),
         "phi4-mini-partial-rotary": (Phi3Config(**small, partial_rotary_factor=0.75),
                                      "partial rotary embeddings (partial_rotary_factor 0.75)"),
         "gpt2": (GPT2Config(n_embd=64, n_layer=2, n_head=4), "got model_type 'gpt2'"),
     }
 
 
-@pytest.mark.parametrize("case", ["gemma2", "gemma3", "mistral-window", "qwen2-window", "phi4-mini-partial-rotary",
-                                  "gpt2"])
+@pytest.mark.parametrize("case", ["gemma2", "gemma3", "qwen2-some-windowed", "phi4-mini-partial-rotary", "gpt2"])
 def test_parents_the_child_cannot_reproduce_are_refused_naming_what_is_missing(case):
     from mlxkit.engines.errors import InputError
     from mlxkit.engines.models.decilm.convert import child_config

@@ -10,6 +10,8 @@ nothing but this file and the modeling file beside it:
 
 * `qk_norm` (Qwen3): an RMSNorm over each head's query and key, before RoPE, in every layer
   that keeps attention (one weight of `head_dim` each, shared by the heads).
+* `sliding_window` (Mistral v0.1, Phi-3-mini-4k): every attention layer sees only the last
+  `sliding_window` positions, itself included (transformers' convention); None: full attention.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def _normalise_block(block: dict[str, Any], num_heads: int, hidden: int) -> dict
 
 
 class MlxDeciLMConfig(LlamaConfig):
-    """Llama fields plus `block_configs` and the family fields (`qk_norm`); `num_key_value_heads` and
+    """Llama fields plus `block_configs` and the family fields (`qk_norm`, `sliding_window`); `num_key_value_heads` and
     `intermediate_size` keep the parent's."""
 
     model_type = "mlx_decilm"
@@ -49,8 +51,10 @@ class MlxDeciLMConfig(LlamaConfig):
         block_configs = kwargs.pop("block_configs", None)
         kwargs.pop("layer_types", None)  # derived below, never taken from the file
         qk_norm = kwargs.pop("qk_norm", False)
+        sliding_window = kwargs.pop("sliding_window", None)
         super().__post_init__(**kwargs)
         self.qk_norm = bool(qk_norm)
+        self.sliding_window = int(sliding_window) if sliding_window is not None else None
         self.parent_num_key_value_heads = getattr(self, "parent_num_key_value_heads", None) or self.num_key_value_heads
         self.parent_intermediate_size = getattr(self, "parent_intermediate_size", None) or self.intermediate_size
         if block_configs is None:
@@ -62,6 +66,7 @@ class MlxDeciLMConfig(LlamaConfig):
         # Layers without attention keep no per-token KV cache. transformers gives "linear_attention"
         # layers a state-only cache entry and measures the sequence length on the first real
         # attention layer, so positions stay right even when layer 0 has no attention.
+        attention = "sliding_attention" if self.sliding_window is not None else "full_attention"
         self.layer_types = ["linear_attention" if b["attention"]["no_op"] or b["attention"]["replace_with_linear"]
-                            else "full_attention" for b in self.block_configs]
+                            else attention for b in self.block_configs]
         self.architectures = ["MlxDeciLMForCausalLM"]

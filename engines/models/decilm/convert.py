@@ -35,6 +35,7 @@ def child_config(parent_config, choices: Sequence[BlockChoice] | None = None) ->
         fields["num_key_value_heads"] = parent_config.parent_num_key_value_heads
         fields["intermediate_size"] = parent_config.parent_intermediate_size
     fields.update(family.child_fields)
+    fields["sliding_window"] = families.sliding_window(parent_config)
     fields["head_dim"] = getattr(parent_config, "head_dim", None) or \
         parent_config.hidden_size // parent_config.num_attention_heads
     shape = ParentShape.from_config(parent_config)

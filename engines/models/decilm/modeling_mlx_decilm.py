@@ -7,7 +7,8 @@ a no-op subblock has no weights and no norm, linear attention lives at
 `self_attn.linear_attn`, linear FFN at `mlp.linear_mlp`. With every layer at the
 parent's shape this is exactly a Llama, logit for logit. With `config.qk_norm` each head's
 query and key are RMS-normed before RoPE (`self_attn.q_norm`, `self_attn.k_norm`), as in
-Qwen3, and the same holds for a Qwen3 parent.
+Qwen3, and the same holds for a Qwen3 parent. With `config.sliding_window` every attention
+layer sees only that many positions back, as in Mistral v0.1 and Phi-3-mini-4k.
 
 Decoder layers are `GradientCheckpointingLayer`s, as in transformers' Llama:
 `model.gradient_checkpointing_enable()` recomputes each layer in the backward pass.
@@ -22,7 +23,7 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
-from transformers.masking_utils import create_causal_mask
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -57,6 +58,7 @@ class MlxDeciLMGQAAttention(nn.Module):
         # Over head_dim, so one weight serves every head and a variant with fewer KV heads keeps it.
         self.q_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps) if config.qk_norm else None
+        self.sliding_window = config.sliding_window
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                 attention_mask: torch.Tensor | None, cache: Cache | None = None, **kwargs) -> torch.Tensor:
@@ -72,11 +74,26 @@ class MlxDeciLMGQAAttention(nn.Module):
         query, key = apply_rotary_pos_emb(query, key, cos, sin)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
+        if attention_mask is None and self.sliding_window is not None and key.shape[-2] > self.sliding_window:
+            # A layer run on its own (a BLD subblock) gets no mask from the model; past the window a
+            # causal mask alone would let it see more than the parent's layer does.
+            attention_mask = _sliding_window_mask(query.shape[-2], key.shape[-2], self.sliding_window, query)
         attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
                                                                      eager_attention_forward)
         output, _ = attention(self, query, key, value, attention_mask, scaling=self.scaling,
-                              dropout=0.0 if not self.training else self.attention_dropout, **kwargs)
+                              dropout=0.0 if not self.training else self.attention_dropout,
+                              sliding_window=self.sliding_window, **kwargs)
         return self.o_proj(output.reshape(*input_shape, -1).contiguous())
+
+
+def _sliding_window_mask(query_length: int, key_length: int, window: int, like: torch.Tensor) -> torch.Tensor:
+    """Additive [1, 1, q, k] mask: the last `query_length` positions each see themselves and the
+    `window - 1` positions before them."""
+    query_pos = torch.arange(key_length - query_length, key_length, device=like.device)[:, None]
+    key_pos = torch.arange(key_length, device=like.device)[None, :]
+    visible = (key_pos <= query_pos) & (query_pos - key_pos < window)
+    mask = torch.zeros(visible.shape, dtype=like.dtype, device=like.device)
+    return mask.masked_fill(~visible, torch.finfo(like.dtype).min)[None, None]
 
 
 class MlxDeciLMLinearAttention(nn.Module):
@@ -220,14 +237,15 @@ class MlxDeciLMModel(MlxDeciLMPreTrainedModel):
             cache = DynamicCache(config=self.config)
         if position_ids is None:
             # Measured on the first layer that caches keys: a layer without attention keeps no sequence.
-            layer_types = self.config.layer_types
-            past_seen = cache.get_seq_length(layer_types.index("full_attention")) \
-                if cache is not None and "full_attention" in layer_types else 0
+            attending = [i for i, kind in enumerate(self.config.layer_types) if kind != "linear_attention"]
+            past_seen = cache.get_seq_length(attending[0]) if cache is not None and attending else 0
             position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen).unsqueeze(0)
+        windowed = self.config.sliding_window is not None
         if isinstance(attention_mask, dict):
-            attention_mask = attention_mask.get("full_attention")
-        causal_mask = create_causal_mask(config=self.config, inputs_embeds=inputs_embeds,
-                                         attention_mask=attention_mask, cache=cache, position_ids=position_ids)
+            attention_mask = attention_mask.get("sliding_attention" if windowed else "full_attention")
+        make_mask = create_sliding_window_causal_mask if windowed else create_causal_mask
+        causal_mask = make_mask(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                                cache=cache, position_ids=position_ids)
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
         all_hidden = [hidden_states] if output_hidden_states else None

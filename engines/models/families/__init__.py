@@ -97,15 +97,25 @@ def check_parent(config: Any) -> Family:
     return family
 
 
+def sliding_window(config: Any) -> int | None:
+    """The window every attention layer of the parent keeps, None for full attention.
+
+    A window at least as long as any sequence the model takes is full attention (Phi-3.5's 262144
+    over 131072 positions), so it is dropped: the child then exports where windows cannot go.
+    """
+    window = getattr(config, "sliding_window", None)
+    positions = getattr(config, "max_position_embeddings", None)
+    if window is None or (positions is not None and window >= positions):
+        return None
+    return int(window)
+
+
 def _missing_feature(config: Any) -> str | None:
     """A feature, possible in any family's config, that the child's blocks do not have."""
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None) or ()
-    positions = getattr(config, "max_position_embeddings", None)
-    # A window at least as long as any sequence the model takes is full attention.
-    if "sliding_attention" in layer_types or (window is not None and (positions is None or window < positions)):
-        return (f"sliding-window attention (a window of {window} tokens over {positions} positions) is not part of "
-                f"the child's attention, which would differ from the parent's past {window} tokens")
+    kinds = {kind for kind in getattr(config, "layer_types", None) or () if kind != "linear_attention"}
+    if sliding_window(config) is not None and kinds - {"sliding_attention"}:
+        return (f"sliding-window attention on some layers only ({', '.join(sorted(kinds))}) is not part of the "
+                "child, whose window, when it has one, is every attention layer's")
     rope = getattr(config, "rope_parameters", None) or {}
     partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) \
         if isinstance(rope, dict) else 1.0

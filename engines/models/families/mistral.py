@@ -1,4 +1,4 @@
-"""Mistral: Llama's layout; a sliding window shorter than the model's positions is refused (not in the child)."""
+"""Mistral: Llama's layout; v0.1's sliding window becomes the child's `sliding_window`."""
 
 from mlxkit.engines.models.families import Family
 

@@ -2,7 +2,8 @@
 
 `qkv_proj` stacks q, k and v along its rows and `gate_up_proj` stacks gate and up; each is
 split into the child's separate projections as a layer is read. `longrope` RoPE is carried as
-it is. Phi-4-mini's partial rotary embeddings are refused (see `check_parent`).
+it is, and so is Phi-3-mini-4k's sliding window. Phi-4-mini's partial rotary embeddings are
+refused (see `check_parent`).
 """
 
 from mlxkit.engines.models.families import Family, Fused
