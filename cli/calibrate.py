@@ -51,8 +51,13 @@ def calibrate_command(
                                          "CPU-time clock is used.")] = 1,
     clock: Annotated[str, typer.Option("--clock", help="auto, wall or cpu (thread CPU time: one dedicated core "
                                                        "even on a busy machine).")] = "auto",
-    engine: Annotated[str, typer.Option("--engine", help="torch (PyTorch eager) or llamacpp (GGUF exports timed "
-                                                         "in llama.cpp, batch 1; needs mlxkit[llamacpp]).")] = "torch",
+    engine: Annotated[str, typer.Option("--engine", help="torch (PyTorch eager), llamacpp (GGUF exports timed "
+                                                         "in llama.cpp, batch 1; needs mlxkit[llamacpp]) or vllm "
+                                                         "(Nemotron-NAS exports timed in vLLM; scripts/setup_vllm.sh "
+                                                         "or MLXKIT_VLLM_PYTHON).")] = "torch",
+    child: Annotated[Optional[str], typer.Option("--child", help="A searched child of --model, timed whole beside the "
+                                                                 "parent: its measured speedup is reported beside the "
+                                                                 "fitted profile's prediction.")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing profile.")] = False,
     seed: SeedOpt = 0,
     json_out: JsonOpt = False,
@@ -66,12 +71,13 @@ def calibrate_command(
     settings = CalibrationSettings(model=model, device=device, batches=_ints(batch or ("1" if engine == "llamacpp" else "1,4"), "--batch"),
                                    seqs=_ints(seq, "--seq"), copies=copies, repeats=repeats,
                                    decode_steps=decode_steps, dtype=dtype, threads=threads or None, clock=clock,
-                                   base_profile=base, seed=seed, engine=engine)
-    with claimed_output(out, kind="file", inputs=[model, base]):
+                                   base_profile=base, seed=seed, engine=engine, child=child)
+    with claimed_output(out, kind="file", inputs=[model, base, child]):
         result = run_calibrate(settings, out, overwrite=overwrite, reporter=output.reporter)
     report = result.report
     output.emit({"profile": str(result.profile_path), "report": str(result.report_path), "device": report["device"],
-                 "fitted": report["fitted"], "summary": report["summary"], "whole_model": report["whole_model"]},
+                 "fitted": report["fitted"], "summary": report["summary"], "whole_model": report["whole_model"],
+                 **({"child": report["child"]} if "child" in report else {})},
                 lambda _: _render(result, quiet))
 
 
@@ -98,4 +104,14 @@ def _render(result, quiet: bool) -> None:
         worst = report["summary"]["whole_model_decode_max_abs_rel_error"]
         how = "in the fit" if report["summary"]["whole_model_in_fit"] else "held out of the fit"
         console.print(f"whole-model decode latency, worst error ({how}): {worst:.1%}")
+        child = report.get("child")
+        if child:
+            speedups = Table(title=f"child {child['model']}: speedup over the parent ({child['engine']})")
+            for column in ("batch", "prompt", "new tokens", "measured", "predicted", "err"):
+                speedups.add_column(column, justify="right")
+            for row in child["points"]:
+                speedups.add_row(str(row["batch"]), str(row["seq"]), str(row["new_tokens"]),
+                                 f"{row['measured_speedup']:.2f}x", f"{row['predicted_speedup']:.2f}x",
+                                 _pct(row["rel_error"]))
+            console.print(speedups)
     console.print(f"wrote {result.profile_path} and {result.report_path}")

@@ -21,7 +21,13 @@ profile out of sample, at batch/prompt points the calibration never timed.
 Engines: `torch` times the models in PyTorch eager (what `mlx eval` and training run);
 `llamacpp` exports each small model, and the parent, to GGUF and times them in llama.cpp
 (batch 1, wall clock over its thread pool), so a profile can predict the serving engine
-that users deploy a child to. Linear FFN has no GGUF form and is not timed there.
+that users deploy a child to. Linear FFN has no GGUF form and is not timed there. `vllm`
+exports each model to the Nemotron-NAS layout and times it in vLLM (engines/serving/vllm.py),
+batches included; vLLM builds neither linear attention nor linear FFN, and only FFN widths
+that `ffn_mult` gives back exactly, so only those variants are timed there.
+
+With `child`, a searched child is timed whole beside the parent (never fitted), and the
+report sets its measured speedup at each timed point beside the fitted profile's prediction.
 """
 
 from __future__ import annotations
@@ -54,7 +60,9 @@ from mlxkit.engines.models.decilm.blocks import (AttentionVariant, BlockChoice, 
 
 _TORCH_TO_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 _TORCH_TO_GGUF = {"float32": "f32", "float16": "f16"}
-ENGINES = ("torch", "llamacpp")
+ENGINES = ("torch", "llamacpp", "vllm")
+# The profile a calibration writes names the serving engine it was timed in.
+_PROFILE_ENGINE = {"torch": "transformers", "llamacpp": "llamacpp", "vllm": "vllm"}
 
 
 @dataclass
@@ -81,7 +89,8 @@ class CalibrationSettings:
     fit_whole_model: bool = True
     whole_model_weight: float = 4.0
     seed: int = 0
-    engine: str = "torch"  # or "llamacpp": GGUF exports timed in llama.cpp
+    engine: str = "torch"  # or "llamacpp": GGUF exports timed in llama.cpp; "vllm": Nemotron-NAS exports in vLLM
+    child: str | None = None  # a searched child, timed whole beside the parent
 
 
 @dataclass
@@ -241,15 +250,18 @@ def run_calibrate(settings: CalibrationSettings, out: str | Path, *, overwrite: 
     if settings.threads is not None and settings.threads < 1:
         raise InputError("--threads must be ≥ 1")
     llamacpp = settings.engine == "llamacpp"
+    exported = settings.engine in ("llamacpp", "vllm")  # timed from an export, not in this process
     if llamacpp:
         _check_llamacpp_settings(settings)
+    if settings.engine == "vllm":
+        _check_vllm_settings(settings)
     _check_positions(settings)
     device = torch.device(settings.device)
-    if settings.threads is not None and not llamacpp:
+    if settings.threads is not None and not exported:
         torch.set_num_threads(settings.threads)
     dtype = getattr(torch, settings.dtype)
     weight_dtype = _TORCH_TO_DTYPE[settings.dtype]
-    single_cpu = device.type == "cpu" and torch.get_num_threads() == 1 and not llamacpp
+    single_cpu = device.type == "cpu" and torch.get_num_threads() == 1 and not exported
     clock = ("cpu" if single_cpu else "wall") if settings.clock == "auto" else settings.clock
     if clock not in ("cpu", "wall") or (clock == "cpu" and not single_cpu):
         raise InputError("--clock cpu needs --device cpu, --threads 1 and --engine torch (CPU time of one "
@@ -257,8 +269,8 @@ def run_calibrate(settings: CalibrationSettings, out: str | Path, *, overwrite: 
     base = load_profile(settings.base_profile or _default_base(settings.device))
 
     reporter.notice(f"loading {settings.model}")
-    loaded = load_model(settings.model, with_tokenizer=llamacpp, reporter=reporter)
-    parent_model = from_parent(loaded.model).to(dtype=torch.float32 if llamacpp else dtype, device=device).eval()
+    loaded = load_model(settings.model, with_tokenizer=exported, reporter=reporter)
+    parent_model = from_parent(loaded.model).to(dtype=torch.float32 if exported else dtype, device=device).eval()
     parent_config = loaded.model.config
     parent = ParentShape.from_config(parent_config)
     tokenizer = loaded.tokenizer
@@ -266,10 +278,12 @@ def run_calibrate(settings: CalibrationSettings, out: str | Path, *, overwrite: 
     default_attention, default_ffn = calibration_variants(parent)
     attention = list(settings.attention or default_attention)
     ffn = list(settings.ffn or default_ffn)
-    if llamacpp:
-        from mlxkit.engines.export import ffn_expressible
+    if exported:
+        from mlxkit.engines.serving.capabilities import get_engine
 
-        ffn = [v for v in ffn if ffn_expressible("gguf", v, parent.hidden_size)]
+        engine = get_engine(settings.engine)
+        attention = [v for v in attention if engine.holds_attention(v)]
+        ffn = [v for v in ffn if engine.holds_ffn(v, parent.hidden_size)]
     for v in attention:
         v.validate(parent)
     for v in ffn:
@@ -284,32 +298,99 @@ def run_calibrate(settings: CalibrationSettings, out: str | Path, *, overwrite: 
         if v.kind != "no_op":
             models.append((v.name, "ffn", v, [parent_block] + [BlockChoice(AttentionVariant("no_op"), v)] * settings.copies))
 
+    whole_models = [("model", "model", None, [parent_block] * parent.num_layers)]
+    child_model = None
+    if settings.child is not None:
+        child_model, child_layers = _load_child(settings.child, parent, dtype=torch.float32 if exported else dtype,
+                                                device=device, reporter=reporter)
+        whole_models.append(("child", "child", None, child_layers))
+
     runs: list[_Run] = []
     settings.clock = clock  # recorded in the profile
-    total = (len(models) + 1) * len(settings.batches) * len(settings.seqs)
+    total = (len(models) + len(whole_models)) * len(settings.batches) * len(settings.seqs)
     with contextlib.ExitStack() as stack:
-        work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="mlx-calibrate-"))) if llamacpp else None
+        work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="mlx-calibrate-"))) if exported else None
 
         def timer(model) -> contextlib.AbstractContextManager[Callable[[int, int], Timing]]:
-            if work is not None:
+            if work is not None and llamacpp:
                 return _llamacpp_timer(model, tokenizer, settings, work)
+            if work is not None:
+                return _vllm_timer(model, tokenizer, settings, work)
             return _torch_timer(model, settings, clock)
 
         task = stack.enter_context(reporter.task("timing variants", total=total))
-        parent_layers = [parent_block] * parent.num_layers
-        for label, kind, variant, layers in models + [("model", "model", None, parent_layers)]:
-            model = parent_model if kind == "model" else _build(parent_config, layers, dtype, device, settings.seed)
+        for label, kind, variant, layers in models + whole_models:
+            model = {"model": parent_model, "child": child_model}.get(kind) or \
+                _build(parent_config, layers, dtype, device, settings.seed)
             with timer(model) as measure:
                 for batch in settings.batches:
                     for seq in settings.seqs:
                         run = _Run(label, kind, variant, layers, batch, seq)
                         run.timing = measure(batch, seq)
                         runs.append(run)
-                        task.update(model="whole model" if kind == "model" else label, batch=batch, seq=seq)
+                        task.update(model={"model": "whole model", "child": "child"}.get(kind, label), batch=batch,
+                                    seq=seq)
                         task.advance()
             del model
 
     return _fit_and_write(runs, parent, base, settings, weight_dtype, out, reporter, overwrite=overwrite)
+
+
+def _load_child(spec: str, parent: ParentShape, *, dtype, device, reporter: Reporter) -> tuple[Any, list[BlockChoice]]:
+    """A searched child of the calibrated parent, and its layers."""
+    from mlxkit.engines.models.decilm.convert import from_parent
+    from mlxkit.engines.models.loading import load_model
+
+    model = load_model(spec, with_tokenizer=False, reporter=reporter).model
+    if model.config.model_type != "mlx_decilm":
+        model = from_parent(model)  # a plain checkpoint times as the child that keeps every block
+    model = model.to(dtype=dtype, device=device)
+    shape = ParentShape.from_config(model.config)
+    if shape != parent:
+        raise InputError(f"--child '{spec}' is not a child of the calibrated parent (its parent shape differs)")
+    layers = [BlockChoice(AttentionVariant.from_block_config(b["attention"], parent.num_attention_heads),
+                          FFNVariant.from_block_config(b["ffn"], parent.hidden_size)) for b in model.config.block_configs]
+    return model.eval(), layers
+
+
+def _check_vllm_settings(settings: CalibrationSettings) -> None:
+    from mlxkit.engines.serving.vllm import require_vllm_python
+
+    if settings.dtype not in _TORCH_TO_GGUF:
+        raise InputError(f"--engine vllm times exported weights in {' or '.join(_TORCH_TO_GGUF)} "
+                         f"(got '{settings.dtype}')")
+    if settings.clock == "cpu":
+        raise InputError("--clock cpu needs --engine torch: vLLM works in its own processes; use wall")
+    require_vllm_python()
+
+
+@contextlib.contextmanager
+def _vllm_timer(model, tokenizer, settings: CalibrationSettings,
+                work: Path) -> Iterator[Callable[[int, int], Timing]]:
+    """`model` exported to the Nemotron-NAS layout in `work`, every (batch, prompt length) timed in one vLLM run."""
+    from mlxkit.engines.export import export_model
+    from mlxkit.engines.serving.vllm import run_worker
+
+    directory, nas = work / "model", work / "nas"
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    export_model(directory, "nemotron-nas", nas, _TORCH_TO_GGUF[settings.dtype], overwrite=True)
+    try:
+        result = run_worker({"model": str(nas), "mode": "time", "dtype": settings.dtype, "seed": settings.seed,
+                             "max_model_len": max(settings.seqs) + settings.decode_steps + 8,
+                             "max_num_seqs": max(settings.batches),
+                             "points": [[b, s] for b in settings.batches for s in settings.seqs],
+                             "decode_steps": settings.decode_steps, "warmup": settings.warmup,
+                             "repeats": settings.repeats, "vocab_size": int(model.config.vocab_size)})
+        rows = {(r["batch"], r["seq"]): r for r in result["timings"]}
+        weights = sum(f.stat().st_size for f in nas.glob("*.safetensors"))
+        yield lambda batch, seq: Timing(prefill_ms=rows[(batch, seq)]["prefill_ms"],
+                                        decode_ms=rows[(batch, seq)]["decode_ms"],
+                                        decode_ctx=rows[(batch, seq)]["decode_ctx"], weights_bytes=weights,
+                                        kv_cache_bytes=None, peak_bytes=None)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+        shutil.rmtree(nas, ignore_errors=True)
 
 
 def _check_llamacpp_settings(settings: CalibrationSettings) -> None:
@@ -360,7 +441,7 @@ def _fit_and_write(runs: list[_Run], parent: ParentShape, base: HardwareProfile,
     """Fit the profile to the small-model timings, then write the profile and the report."""
     import torch
 
-    fit_runs = [r for r in runs if r.kind != "model" or settings.fit_whole_model]
+    fit_runs = [r for r in runs if r.kind != "child" and (r.kind != "model" or settings.fit_whole_model)]
     measured = [v for r in fit_runs for v in (r.timing.prefill_ms, r.timing.decode_ms)]  # type: ignore[union-attr]
     weights = [settings.whole_model_weight if r.kind == "model" else 1.0 for r in fit_runs for _ in range(2)]
 
@@ -375,7 +456,7 @@ def _fit_and_write(runs: list[_Run], parent: ParentShape, base: HardwareProfile,
     # Efficiencies stay ≤ 1: above it a factor would stand in for a wrong peak, and the profile
     # would stop being readable as "fraction of the datasheet (or measured) peak".
     bounds = {k: (1e-3, 1.0) for k in ("matmul", "memory", "attention")}
-    if settings.engine == "llamacpp":
+    if settings.engine in ("llamacpp", "vllm"):
         # The base cpu profile's bandwidth is what a torch reduction reached, not a datasheet peak, and
         # llama.cpp's decode streams weights faster than that (the parent measured 28.6 GB/s against 24.5).
         bounds["memory"] = FIT_PARAMS["memory"]
@@ -387,6 +468,10 @@ def _fit_and_write(runs: list[_Run], parent: ParentShape, base: HardwareProfile,
 
         device_name = f"{device_name.rsplit(',', 1)[0]}, llama.cpp (llama-cpp-python {require_llama_cpp()}), " \
                       f"{settings.threads or os.cpu_count()} threads"
+    elif settings.engine == "vllm":
+        from mlxkit.engines.serving.vllm import vllm_version
+
+        device_name = f"{device_name.rsplit(',', 1)[0]}, vLLM {vllm_version()}"
     today = _dt.date.today().isoformat()
     note = (f"measured by mlx calibrate on {device_name} ({today}; model {settings.model}, {settings.dtype}, "
             f"batches {list(settings.batches)}, prompt lengths {list(settings.seqs)}): least-squares fit over "
@@ -399,7 +484,11 @@ def _fit_and_write(runs: list[_Run], parent: ParentShape, base: HardwareProfile,
         "description": (f"GGUF {_TORCH_TO_GGUF[settings.dtype]} weights timed on {device_name}, fitted "
                         f"by mlx calibrate --engine llamacpp (peaks and bandwidth from the {base.name} profile)"
                         if settings.engine == "llamacpp" else
+                        f"Nemotron-NAS exports ({settings.dtype}) timed on {device_name}, fitted by mlx calibrate "
+                        f"--engine vllm (peaks and bandwidth from the {base.name} profile)"
+                        if settings.engine == "vllm" else
                         f"{base.description}; refitted by mlx calibrate on {device_name}"),
+        "engine": _PROFILE_ENGINE[settings.engine],
         "sources": sources,
         "calibration": {"date": today, "model": settings.model, "device": device_name, "dtype": settings.dtype,
                         "batches": list(settings.batches), "prompt_lengths": list(settings.seqs),
@@ -407,6 +496,7 @@ def _fit_and_write(runs: list[_Run], parent: ParentShape, base: HardwareProfile,
                         "repeats": settings.repeats, "torch": str(torch.__version__),
                         "threads": None if settings.device.startswith("cuda") else
                         (settings.threads or os.cpu_count()) if settings.engine == "llamacpp" else
+                        None if settings.engine == "vllm" else
                         torch.get_num_threads(),
                         "clock": settings.clock, "base_profile": base.name, "engine": settings.engine,
                         "fit_rms_log_error": round(fit.rms_log_error, 4),
@@ -414,12 +504,45 @@ def _fit_and_write(runs: list[_Run], parent: ParentShape, base: HardwareProfile,
     })
     report = _report(profile, parent, runs, settings, weight_dtype, fit.params)
     report["summary"]["fit_rms_log_error"] = fit.rms_log_error
+    if settings.child is not None:
+        report["child"] = _child_speedups(profile, parent, runs, settings, weight_dtype)
+        report["summary"]["child_speedup_max_abs_rel_error"] = max(
+            abs(row["rel_error"]) for row in report["child"]["points"])
     report.update(profile=str(out), device=device_name, date=today, model=settings.model)
     report_path = out.with_name(out.stem + ".report.json")
     atomic_write_text(out, "# Written by `mlx calibrate` (see engines/hardware/profile.py for the fields).\n" +
                       profile.to_yaml(), overwrite=overwrite)
     atomic_write_text(report_path, json.dumps(report, indent=2) + "\n")
     return CalibrationResult(profile, out, report_path, report)
+
+
+def _child_speedups(profile: HardwareProfile, parent: ParentShape, runs: list[_Run], settings: CalibrationSettings,
+                    weight_dtype: str) -> dict[str, Any]:
+    """The child's measured speedup over the parent at each timed point, beside the profile's prediction.
+
+    A point's time is its prefill plus `decode_steps` decode steps: one request of that prompt
+    length and that many generated tokens, at that batch.
+    """
+    def total(prefill: float, decode: float) -> float:
+        return prefill + settings.decode_steps * decode
+
+    parent_runs = {(r.batch, r.seq): r for r in runs if r.kind == "model"}
+    points = []
+    for r in runs:
+        if r.kind != "child":
+            continue
+        p = parent_runs[(r.batch, r.seq)]
+        assert r.timing is not None and p.timing is not None
+        measured = total(p.timing.prefill_ms, p.timing.decode_ms) / total(r.timing.prefill_ms, r.timing.decode_ms)
+        parent_ms = total(*predict_model_ms(profile, parent, p.layers, r.batch, r.seq, p.timing.decode_ctx,
+                                            weight_dtype))
+        child_ms = total(*predict_model_ms(profile, parent, r.layers, r.batch, r.seq, r.timing.decode_ctx,
+                                           weight_dtype))
+        predicted = parent_ms / child_ms
+        points.append({"batch": r.batch, "seq": r.seq, "new_tokens": settings.decode_steps,
+                       "measured_speedup": measured, "predicted_speedup": predicted,
+                       "rel_error": (predicted - measured) / measured})
+    return {"model": settings.child, "engine": settings.engine, "points": points}
 
 
 def _report(profile: HardwareProfile, parent: ParentShape, runs: list[_Run], settings: CalibrationSettings,

