@@ -1,4 +1,4 @@
-"""Parent families beyond Llama: the converted child is the parent, and search → GKD → eval → export runs.
+"""Parent families beyond Llama: the converted child is the parent; search → GKD → eval → export and merge run.
 
 Every parent is a tiny random model of transformers' own class (4 layers, hidden 64), so the
 reference each check compares against is transformers' implementation of that family, not ours.
@@ -232,3 +232,21 @@ def test_search_refuses_a_gemma2_parent_before_any_work(text_file, tmp_path):
     assert result.exit_code == 2, result.output
     assert "gemma parents are not supported" in result.output and "soft-capping" in result.output
     assert not (tmp_path / "child").exists()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "phi3-window"])
+def test_merge_runs_on_children_of_the_family(family, tmp_path):
+    from safetensors.torch import load_file
+
+    children = [save_with_tokenizer(from_parent(tiny_parent(family, seed=seed)), tmp_path / f"child{seed}")
+                for seed in (0, 1)]
+    result = runner.invoke(app, ["merge", "--method", "linear", *map(str, children), "-o", str(tmp_path / "merged"),
+                                 "--json"])
+    assert result.exit_code == 0, result.output
+    merged = {k: v for f in (tmp_path / "merged").glob("*.safetensors") for k, v in load_file(f).items()}
+    inputs = [{k: v for f in c.glob("*.safetensors") for k, v in load_file(f).items()} for c in children]
+    name = "model.layers.1.self_attn.k_norm.weight" if family == "qwen3" else "model.layers.1.mlp.up_proj.weight"
+    torch.testing.assert_close(merged[name], (inputs[0][name] + inputs[1][name]) / 2)
+    config = json.loads((tmp_path / "merged" / "config.json").read_text())
+    assert {k: config.get(k) for k in ("qk_norm", "sliding_window")} == \
+        {"qk_norm": family == "qwen3", "sliding_window": 16 if family == "phi3-window" else None}
