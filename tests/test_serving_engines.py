@@ -179,3 +179,13 @@ def test_nemotron_nas_block_configs_read_as_attributes_and_serialise_to_the_publ
     for public, rewritten in zip(written, again):
         for part in ("attention", "ffn"):
             assert {k: rewritten[part][k] for k in public[part]} == public[part]
+
+
+def test_a_nemotron_nas_export_says_which_engines_cannot_build_its_linear_layers(tmp_path):
+    child = make_child_dir(tmp_path / "child", names=("kv2+ffn256", "linear+ffn256", "kv1+linear"))
+    result = export_model(child, "nemotron-nas", tmp_path / "nas")
+    notes = [n for n in result["notes"] if "cannot serve this export" in n]
+    assert notes == ["vLLM cannot serve this export: it builds no linear attention or FFN (layers 1, 2)",
+                     "SGLang cannot serve this export: it builds no linear attention or FFN (layers 1, 2)"]
+    served = make_child_dir(tmp_path / "served", names=("kv2+ffn256", "no_op+ffn256", "kv1+no_op"))
+    assert not [n for n in export_model(served, "nemotron-nas", tmp_path / "nas2")["notes"] if "cannot" in n]

@@ -271,6 +271,23 @@ def check_format(model: ModelDescription, fmt: str, dtype: str) -> list[str]:
                              "in the recipe, or export to hf)")
         if model.config.attention_bias and any(n not in model.index for n in model.optional):
             notes.append("o_proj.bias absent in the source; written as zeros (the layout has one bias flag)")
+        notes += _engine_notes(model)
+    return notes
+
+
+def _engine_notes(model: ModelDescription) -> list[str]:
+    """Which engines that load the Nemotron-NAS layout cannot build this model, and why."""
+    from mlxkit.engines.serving.capabilities import engines_for_format
+
+    notes = []
+    for engine in engines_for_format("nemotron-nas"):
+        problems = engine.parent_problems(model.config, model.rope.rope_type)
+        linear = [l.index for l in model.layers if not engine.holds_attention(l.attention)
+                  or (l.ffn.kind == "linear" and "linear" not in engine.ffn)]
+        if linear:
+            problems.append(f"it builds no linear attention or FFN (layers {layer_list(linear)})")
+        if problems:
+            notes.append(f"{engine.title} cannot serve this export: {'; '.join(problems)}")
     return notes
 
 
