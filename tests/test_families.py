@@ -98,6 +98,20 @@ def test_converted_parent_gives_the_parents_logits(family):
     assert converted.generate(ids[:1], **greedy).tolist() == parent.generate(ids[:1], **greedy).tolist()
 
 
+@pytest.mark.parametrize("family", ["qwen3", "phi3-window"])
+def test_converted_bfloat16_parent_gives_the_parents_logits(family, tmp_path):
+    """As a bfloat16 run loads it (RoPE frequencies stay float32), fused rows split included."""
+    from transformers import AutoModelForCausalLM
+
+    tiny_parent(family).save_pretrained(tmp_path / family)
+    parent = AutoModelForCausalLM.from_pretrained(tmp_path / family, dtype=torch.bfloat16).eval()
+    ids = random_ids()
+    with torch.no_grad():
+        converted = from_parent(parent)
+        assert next(converted.parameters()).dtype == torch.bfloat16
+        torch.testing.assert_close(converted(ids).logits, parent(ids).logits, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
 def test_a_windowed_layer_run_on_its_own_keeps_the_window(attention):
     """BLD runs one layer at a time without the model's mask: past the window it must still see only the window."""
