@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import make_char_tokenizer, make_tiny_llama
-from test_export_support import make_child_dir
+from test_export_support import choices, make_child_dir, save_dir
 
 from mlxkit.cli.main import app
 from mlxkit.engines.errors import InputError
@@ -189,3 +189,19 @@ def test_a_nemotron_nas_export_says_which_engines_cannot_build_its_linear_layers
                      "SGLang cannot serve this export: it builds no linear attention or FFN (layers 1, 2)"]
     served = make_child_dir(tmp_path / "served", names=("kv2+ffn256", "no_op+ffn256", "kv1+no_op"))
     assert not [n for n in export_model(served, "nemotron-nas", tmp_path / "nas2")["notes"] if "cannot" in n]
+
+
+@pytest.mark.parametrize("fmt", ["gguf", "nemotron-nas"])
+def test_children_with_q_k_norms_or_a_window_are_refused_where_the_layout_cannot_hold_them(tmp_path, fmt):
+    from mlxkit.engines.models.decilm.convert import child_config
+    from mlxkit.engines.models.decilm.modeling_mlx_decilm import MlxDeciLMForCausalLM
+
+    for field, value, words in (("qk_norm", True, "q/k RMSNorms"), ("sliding_window", 16, "sliding attention window")):
+        config = child_config(make_tiny_llama(hidden_size=64, intermediate_size=256).config,
+                              choices(("kv2+ffn256", "kv1+ffn256")))
+        setattr(config, field, value)
+        child = save_dir(MlxDeciLMForCausalLM(config), tmp_path / f"{field}-child")
+        out = tmp_path / (f"{field}.gguf" if fmt == "gguf" else f"{field}-nas")
+        with pytest.raises(InputError, match=words):
+            export_model(child, fmt, out)
+        assert not out.exists()

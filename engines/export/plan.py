@@ -246,6 +246,8 @@ def check_format(model: ModelDescription, fmt: str, dtype: str) -> list[str]:
     """Refuse what `fmt` cannot hold (typed error naming the layers); return notes on how it is held."""
     check_options(fmt, dtype)
     notes: list[str] = []
+    if fmt in ("gguf", "nemotron-nas"):
+        _refuse_family_features(model, fmt)
     if fmt == "gguf":
         linear_ffn = [l.index for l in model.layers if not ffn_expressible(fmt, l.ffn, model.hidden_size)]
         if linear_ffn:
@@ -273,6 +275,21 @@ def check_format(model: ModelDescription, fmt: str, dtype: str) -> list[str]:
             notes.append("o_proj.bias absent in the source; written as zeros (the layout has one bias flag)")
         notes += _engine_notes(model)
     return notes
+
+
+def _refuse_family_features(model: ModelDescription, fmt: str) -> None:
+    """Neither llama.cpp's deci graph nor the Nemotron-NAS layout has q/k norms or a sliding window."""
+    from mlxkit.engines.models.families import sliding_window
+    from mlxkit.engines.serving.capabilities import has_qk_norm
+
+    missing = []
+    if has_qk_norm(model.config):
+        missing.append("per-head q/k RMSNorms (Qwen3's q_norm/k_norm)")
+    window = sliding_window(model.config)
+    if window is not None:
+        missing.append(f"a sliding attention window (this model's is {window})")
+    if missing:
+        raise InputError(f"the {fmt} layout has no {' and no '.join(missing)}; export to hf, which holds them")
 
 
 def _engine_notes(model: ModelDescription) -> list[str]:

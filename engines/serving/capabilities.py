@@ -16,6 +16,7 @@ from typing import Any
 
 from mlxkit.engines.errors import InputError
 from mlxkit.engines.models.decilm.blocks import AttentionVariant, FFNVariant
+from mlxkit.engines.models.families import sliding_window
 
 # RoPE scalings that vLLM's `get_rope` builds (vllm/model_executor/layers/rotary_embedding/__init__.py).
 _VLLM_ROPE = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
@@ -31,6 +32,7 @@ class ServingEngine:
     rope_types : the RoPE types it builds (None: any that transformers builds).
     head_dim_from_hidden : it derives head_dim as hidden/heads, so a parent with another head_dim cannot load.
     qk_norm : it applies per-head q/k RMSNorms (Qwen3).
+    sliding_window : it keeps a sliding attention window from the layout it loads.
     needs_attention_layer : a child must keep attention in at least one layer.
     """
 
@@ -43,6 +45,7 @@ class ServingEngine:
     rope_types: tuple[str, ...] | None
     head_dim_from_hidden: bool
     qk_norm: bool
+    sliding_window: bool
     needs_attention_layer: bool
     source: str
     serve: str  # how a user starts it on the exported child (EXPORT stands for the exported path)
@@ -75,6 +78,9 @@ class ServingEngine:
                             f"is {head_dim}")
         if not self.qk_norm and has_qk_norm(config):
             problems.append("its attention has no per-head q/k RMSNorm (Qwen3's q_norm/k_norm)")
+        window = sliding_window(config)
+        if window is not None and not self.sliding_window:
+            problems.append(f"the layout it loads keeps no sliding attention window (this model's is {window})")
         width = int(getattr(config, "parent_intermediate_size", None) or config.intermediate_size)
         if self.ffn_width_problem(width, hidden):
             problems.append(self.ffn_width_problem(width, hidden))  # type: ignore[arg-type]
@@ -94,7 +100,7 @@ ENGINES: dict[str, ServingEngine] = {engine.name: engine for engine in (
     ServingEngine(
         name="vllm", title="vLLM", export_format="nemotron-nas",
         attention=_NAS_LAYER[0], ffn=_NAS_LAYER[1], nas_widths=True, rope_types=_VLLM_ROPE,
-        head_dim_from_hidden=True, qk_norm=False, needs_attention_layer=True,
+        head_dim_from_hidden=True, qk_norm=False, sliding_window=False, needs_attention_layer=True,
         source="vllm/model_executor/models/nemotron_nas.py (vLLM 0.32.0): DeciLMDecoderLayer builds no-op or "
                "LlamaAttention with num_heads // n_heads_in_group KV heads, and no-op or LlamaMLP of width "
                "ceil_256(int(2·ffn_mult·hidden/3)); no linear attention or FFN",
@@ -102,15 +108,16 @@ ENGINES: dict[str, ServingEngine] = {engine.name: engine for engine in (
     ServingEngine(
         name="sglang", title="SGLang", export_format="nemotron-nas",
         attention=_NAS_LAYER[0], ffn=_NAS_LAYER[1], nas_widths=True, rope_types=_VLLM_ROPE,
-        head_dim_from_hidden=True, qk_norm=False, needs_attention_layer=True,
-        source="python/sglang/srt/models/nemotron_nas.py (SGLang 0.5, adapted from vLLM's): the same layer "
-               "kinds as vLLM; read from source, not run here",
+        head_dim_from_hidden=True, qk_norm=False, sliding_window=False, needs_attention_layer=True,
+        source="python/sglang/srt/models/nemotron_nas.py (SGLang 0.5.23, read from its wheel): the same layer "
+               "kinds and ffn_mult rule as vLLM's; its PyPI package needs CUDA (cuda-python, flashinfer, "
+               "sglang-kernel), so it is not run on a CPU",
         serve="python -m sglang.launch_server --model-path EXPORT --trust-remote-code"),
     ServingEngine(
         name="trtllm", title="TensorRT-LLM", export_format="nemotron-nas",
         attention=frozenset({"gqa", "linear", "no_op"}), ffn=frozenset({"mlp", "linear", "no_op"}),
         nas_widths=True, rope_types=("default", "linear", "dynamic", "llama3"),
-        head_dim_from_hidden=True, qk_norm=False, needs_attention_layer=True,
+        head_dim_from_hidden=True, qk_norm=False, sliding_window=False, needs_attention_layer=True,
         source="tensorrt_llm/models/nemotron_nas/config.py and convert.py (TensorRT-LLM 0.16+): "
                "AttentionImplementation ATTENTION/LINEAR/NO_OP, FFNImplementation MLP/LINEAR/NO_OP, widths "
                "from ffn_mult by the DeciLM rule; read from source, not run here",
@@ -119,7 +126,7 @@ ENGINES: dict[str, ServingEngine] = {engine.name: engine for engine in (
         name="llamacpp", title="llama.cpp", export_format="gguf",
         attention=frozenset({"gqa", "linear", "no_op"}), ffn=frozenset({"mlp", "no_op"}),
         nas_widths=False, rope_types=("default", "linear", "llama3"),
-        head_dim_from_hidden=False, qk_norm=False, needs_attention_layer=True,
+        head_dim_from_hidden=False, qk_norm=False, sliding_window=False, needs_attention_layer=True,
         source="src/llama-model.cpp, LLM_ARCH_DECI (llama-cpp-python 0.3.x): per-layer head_count_kv and "
                "feed_forward_length, a zero-KV-head layer for linear attention, no linear FFN; run in the "
                "`llamacpp` tests",
@@ -127,7 +134,7 @@ ENGINES: dict[str, ServingEngine] = {engine.name: engine for engine in (
     ServingEngine(
         name="transformers", title="transformers", export_format="hf",
         attention=frozenset({"gqa", "linear", "no_op"}), ffn=frozenset({"mlp", "linear", "no_op"}),
-        nas_widths=False, rope_types=None, head_dim_from_hidden=False, qk_norm=True, needs_attention_layer=False,
+        nas_widths=False, rope_types=None, head_dim_from_hidden=False, qk_norm=True, sliding_window=True, needs_attention_layer=False,
         source="the child's own modeling code, shipped with the export (trust_remote_code)",
         serve="AutoModelForCausalLM.from_pretrained(EXPORT, trust_remote_code=True)"),
 )}
