@@ -69,7 +69,7 @@ def search_command(
     if costs_only:
         if write_costs or write_lp:
             raise fail("--write-costs and --write-lp price a library; --costs-only prints its table (use --json)")
-        report = price_only(model, target, scenario, recipe or "quick", reporter)
+        report = price_only(model, target, scenario, recipe or "quick", reporter, engine=engine)
         output.emit(report, lambda r: render_costs(r, console))
         return
     flags_and_overrides({"schedule.tokens": ("--gkd-tokens", gkd_tokens)}, gkd_set, "--gkd-set")  # neither silently wins

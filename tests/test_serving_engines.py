@@ -205,3 +205,16 @@ def test_children_with_q_k_norms_or_a_window_are_refused_where_the_layout_cannot
         with pytest.raises(InputError, match=words):
             export_model(child, fmt, out)
         assert not out.exists()
+
+
+def test_costs_only_prices_what_the_engine_builds(servable_parent):
+    def priced(*args: str) -> tuple[str, set[str]]:
+        result = _search("--costs-only", "--model", str(servable_parent), "--target", "h100", *args)
+        assert result.exit_code == 0, result.output
+        payload = json.loads(result.stdout)
+        return payload["engine"], set(payload["attention"]) | set(payload["ffn"])
+
+    engine, names = priced()
+    assert engine == "vllm" and "linear" not in names and "ffn256" in names and "no_op" in names
+    engine, names = priced("--engine", "transformers")
+    assert engine == "transformers" and "linear" in names

@@ -16,7 +16,7 @@ from typing import Any
 
 from mlxkit.engines.errors import InputError
 from mlxkit.engines.models.decilm.blocks import AttentionVariant, FFNVariant
-from mlxkit.engines.models.families import sliding_window
+from mlxkit.engines.models.families import sliding_windows
 
 # RoPE scalings that vLLM's `get_rope` builds (vllm/model_executor/layers/rotary_embedding/__init__.py).
 _VLLM_ROPE = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
@@ -78,7 +78,7 @@ class ServingEngine:
                             f"is {head_dim}")
         if not self.qk_norm and has_qk_norm(config):
             problems.append("its attention has no per-head q/k RMSNorm (Qwen3's q_norm/k_norm)")
-        window = sliding_window(config)
+        window = sliding_windows(config)[0]
         if window is not None and not self.sliding_window:
             problems.append(f"the layout it loads keeps no sliding attention window (this model's is {window})")
         width = int(getattr(config, "parent_intermediate_size", None) or config.intermediate_size)
@@ -134,7 +134,8 @@ ENGINES: dict[str, ServingEngine] = {engine.name: engine for engine in (
     ServingEngine(
         name="transformers", title="transformers", export_format="hf",
         attention=frozenset({"gqa", "linear", "no_op"}), ffn=frozenset({"mlp", "linear", "no_op"}),
-        nas_widths=False, rope_types=None, head_dim_from_hidden=False, qk_norm=True, sliding_window=True, needs_attention_layer=False,
+        nas_widths=False, rope_types=None, head_dim_from_hidden=False, qk_norm=True, sliding_window=True,
+        needs_attention_layer=False,
         source="the child's own modeling code, shipped with the export (trust_remote_code)",
         serve="AutoModelForCausalLM.from_pretrained(EXPORT, trust_remote_code=True)"),
 )}

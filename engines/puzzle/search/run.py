@@ -149,8 +149,8 @@ def _require_written_shape(model: str) -> None:
 
 
 def costs_only(model: str, target: str, scenario_text: str | None, recipe_name: str,
-               reporter: Reporter | None = None) -> dict[str, Any]:
-    """Price every variant of the recipe's search space from the model's config alone."""
+               reporter: Reporter | None = None, engine: str | None = None) -> dict[str, Any]:
+    """Price every variant of the recipe's search space that the serving engine builds, from the config alone."""
     from mlxkit.engines.models.decilm.convert import check_parent
     from mlxkit.engines.models.loading import load_config
     from mlxkit.engines.puzzle.recipe import load_recipe
@@ -163,9 +163,14 @@ def costs_only(model: str, target: str, scenario_text: str | None, recipe_name: 
     profile = load_profile(target)
     scenario = profile.scenario(scenario_text)
     space = build_search_space(shape, load_recipe(recipe_name).search_space)
-    table = price_variants(shape, profile, scenario, space.attention, space.ffn)
+    serving = _serving_engine(SearchOptions(out=None, target=target, model=model, engine=engine), profile, model,
+                              reporter or Reporter())
+    attention = [v for v in space.attention if serving.holds_attention(v)]
+    ffn = [v for v in space.ffn if serving.holds_ffn(v, shape.hidden_size)]
+    table = price_variants(shape, profile, scenario, attention, ffn)
     return {
-        "model": model, "target": profile.name, "scenario": scenario.to_dict(), "parent_shape": shape.__dict__,
+        "model": model, "target": profile.name, "engine": serving.name, "scenario": scenario.to_dict(),
+        "parent_shape": shape.__dict__,
         "attention": table["attention"], "ffn": table["ffn"], "non_block": table["non_block"],
         "parent_model": table["parent"], "memory_capacity_mib": profile.capacity_mib,
     }
