@@ -13,7 +13,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from test_export_support import make_bpe_tokenizer, make_child_dir, make_parent_dir
+from conftest import make_tiny_llama
+from test_export_support import make_bpe_tokenizer, make_child_dir, make_parent_dir, save_dir
 
 from mlxkit.cli.main import app
 from mlxkit.engines.export import export_model
@@ -39,6 +40,37 @@ def test_a_llama_parent_serves_in_vllm_as_transformers_computes_it(tmp_path):
     parent = make_parent_dir(tmp_path / "parent", **SHAPE, num_hidden_layers=3)
     export_model(parent, "nemotron-nas", tmp_path / "nas")
     reference = LlamaForCausalLM.from_pretrained(parent, dtype=torch.float32).eval()  # transformers' own Llama
+    _check(vllm_agreement(tmp_path / "nas", reference, PROMPTS, max_tokens=12))
+
+
+def _qwen2_parent(out):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(**SHAPE, num_hidden_layers=2, max_position_embeddings=256,
+                                         tie_word_embeddings=False,
+                                         rope_parameters={"rope_type": "default", "rope_theta": 30000.0})).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.15)
+    return save_dir(model, out)
+
+
+def _llama3_rope_parent(out):
+    # llama3 scaling from position 16 on, so the prompts and continuations run past it
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    return save_dir(make_tiny_llama(**SHAPE, num_hidden_layers=2, max_position_embeddings=256,
+                                    rope_parameters=rope), out)
+
+
+@pytest.mark.parametrize("make_parent", [_qwen2_parent, _llama3_rope_parent], ids=["qwen2-biases", "llama3-rope"])
+def test_other_parents_vllm_can_express_serve_as_transformers_computes_them(tmp_path, make_parent):
+    from transformers import AutoModelForCausalLM
+
+    parent = make_parent(tmp_path / "parent")
+    export_model(parent, "nemotron-nas", tmp_path / "nas")
+    reference = AutoModelForCausalLM.from_pretrained(parent, dtype=torch.float32).eval()  # transformers' own class
     _check(vllm_agreement(tmp_path / "nas", reference, PROMPTS, max_tokens=12))
 
 
