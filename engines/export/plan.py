@@ -279,13 +279,13 @@ def check_format(model: ModelDescription, fmt: str, dtype: str) -> list[str]:
 
 def _refuse_family_features(model: ModelDescription, fmt: str) -> None:
     """Neither llama.cpp's deci graph nor the Nemotron-NAS layout has q/k norms or a sliding window."""
-    from mlxkit.engines.models.families import sliding_windows
+    from mlxkit.engines.models.families import sliding_window
     from mlxkit.engines.serving.capabilities import has_qk_norm
 
     missing = []
     if has_qk_norm(model.config):
         missing.append("per-head q/k RMSNorms (Qwen3's q_norm/k_norm)")
-    window = sliding_windows(model.config)[0]
+    window = sliding_window(model.config)
     if window is not None:
         missing.append(f"a sliding attention window (this model's is {window})")
     if missing:

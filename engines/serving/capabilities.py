@@ -16,7 +16,7 @@ from typing import Any
 
 from mlxkit.engines.errors import InputError
 from mlxkit.engines.models.decilm.blocks import AttentionVariant, FFNVariant
-from mlxkit.engines.models.families import sliding_windows
+from mlxkit.engines.models.families import sliding_window
 
 # RoPE scalings that vLLM's `get_rope` builds (vllm/model_executor/layers/rotary_embedding/__init__.py).
 _VLLM_ROPE = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
@@ -78,7 +78,7 @@ class ServingEngine:
                             f"is {head_dim}")
         if not self.qk_norm and has_qk_norm(config):
             problems.append("its attention has no per-head q/k RMSNorm (Qwen3's q_norm/k_norm)")
-        window = sliding_windows(config)[0]
+        window = sliding_window(config)
         if window is not None and not self.sliding_window:
             problems.append(f"the layout it loads keeps no sliding attention window (this model's is {window})")
         width = int(getattr(config, "parent_intermediate_size", None) or config.intermediate_size)
