@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 OUT    ?= runs/demo
 
-.PHONY: setup setup-vllm demo test clean
+.PHONY: setup setup-vllm demo test clean gpu-prepare gpu-rehearsal
 
 $(BIN)/mlx: pyproject.toml setup.py scripts/setup.sh
 	PYTHON=$(PYTHON) VENV=$(VENV) bash scripts/setup.sh
@@ -23,6 +23,14 @@ demo: setup
 
 test: setup setup-vllm
 	$(BIN)/python -m pytest -q
+
+# The GPU check (bench/gpu_check.sh): gpu-prepare fills .device/ with what the offline GPU machine lacks;
+# gpu-rehearsal runs the whole check here on a CPU, in an environment of the GPU image's versions.
+gpu-prepare:
+	bash scripts/prepare_device.sh
+
+gpu-rehearsal:
+	bash scripts/gpu_rehearsal.sh
 
 clean:
 	rm -rf $(VENV) .venv-vllm runs build *.egg-info
