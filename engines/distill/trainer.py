@@ -38,11 +38,11 @@ from mlxkit.engines.core.manifest import Manifest, content_hash
 from mlxkit.engines.core.progress import Reporter
 from mlxkit.engines.distill.losses import cosine_distance_sum, logit_term_sums
 from mlxkit.engines.distill.recipe import DistillRecipe
-from mlxkit.engines.errors import InputError, NonFiniteError
+from mlxkit.engines.errors import InputError
 from mlxkit.engines.training.checkpoint import TrainingState, load_checkpoint, save_checkpoint
 from mlxkit.engines.training.distributed import gradients
 from mlxkit.engines.training.run import TrainingOptions, TrainingRun
-from mlxkit.engines.training.loop import StepLoop, StepOutcome, median
+from mlxkit.engines.training.loop import StepLoop, StepOutcome, log_interval, median
 from mlxkit.engines.training.schedule import batch_indices
 from mlxkit.engines.training.spec import build_adamw, gradient_checkpointing_on
 from mlxkit.engines.training.sharding import (full_state_dict, is_sharded, load_sharded_checkpoint,
@@ -322,11 +322,9 @@ class DistillationRun(TrainingRun):
         # A sharded model's gradients were already summed over ranks by FSDP.
         self.dist.all_reduce_sum([*gradients([p for p in self.params if not is_sharded(p)]), sums])
         clip_and_step(self.optimizer, self.params, spec.grad_clip)
-        cosine, kl, nll = (sums / torch.tensor([positions * n_layers, predicted, predicted], dtype=torch.float64,
-                                               device=sums.device)).tolist()
+        # Left on the device: the step loop reads them back (and checks them) at logged steps only.
+        cosine, kl, nll = sums[0] / (positions * n_layers), sums[1] / predicted, sums[2] / predicted
         total = loss_spec.cosine_weight * cosine + loss_spec.kl_weight * kl + loss_spec.lm_weight * nll
-        if not math.isfinite(total):
-            raise NonFiniteError(f"the distillation loss became non-finite at step {step} (try a lower optim.lr)")
         return StepOutcome({"loss": total, "cosine": cosine, "kl": kl, "nll": nll}, positions,
                            {"loss": total})
 
@@ -383,7 +381,8 @@ class DistillationRun(TrainingRun):
         schedule = self.recipe.schedule
         loop = StepLoop(self.work / LOG_NAME, self.dist, self.reporter, self.state, self.steps, schedule.eval_every,
                         schedule.checkpoint_every, self.options.stop_after_steps, collective=self.sharded,
-                        checkpoint_minutes=schedule.checkpoint_minutes)
+                        checkpoint_minutes=schedule.checkpoint_minutes,
+                        log_every=log_interval(self.placement.device), loss_name="the distillation loss")
         tokens_per_step = self.recipe.optim.batch_sequences * self.seq_len
         finished = loop.run(title=f"{self.options.mode.upper()}: {self.steps} steps of {tokens_per_step} tokens",
                             step=self.train_step, evaluate=self.evaluate, optimizer=self.optimizer,

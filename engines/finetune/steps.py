@@ -48,7 +48,7 @@ def frozen(params: Sequence[torch.nn.Parameter]) -> Iterator[None]:
 
 
 def first_order_step(model: FinetuneModel, params: Sequence[torch.nn.Parameter], pieces: Sequence[Batch],
-                     units: int, dist: Distributed, placement: Placement | None = None) -> dict[str, float]:
+                     units: int, dist: Distributed, placement: Placement | None = None) -> dict[str, torch.Tensor]:
     """Backprop on this rank's micro-batches; `units` is the global batch's loss-term count."""
     placement = placement or Placement.cpu()
     model.train()
@@ -60,7 +60,7 @@ def first_order_step(model: FinetuneModel, params: Sequence[torch.nn.Parameter],
         loss_sum += loss.detach().double()
     # A sharded model's gradients were already summed over ranks by FSDP.
     dist.all_reduce_sum([*gradients([p for p in params if not is_sharded(p)]), loss_sum])
-    return {"loss": loss_sum.item() / units}
+    return {"loss": loss_sum[0] / units}  # a device tensor: the step loop reads it back at logged steps
 
 
 @dataclass(frozen=True)

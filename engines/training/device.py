@@ -60,9 +60,14 @@ def resolve_device(spec: str = "auto") -> torch.device:
         raise BackendError(f"--device {spec} was asked for, but this torch sees no CUDA device "
                            f"(torch {torch.__version__}; use --device cpu)")
     index = device.index
+    from_launcher = index is None and local_rank() is not None
     if index is None:
         index = local_rank() or 0
     count = torch.cuda.device_count()
+    if index >= count and from_launcher:
+        raise BackendError(f"this process is LOCAL_RANK={index} of a launcher, but torch sees {count} GPU(s) "
+                           "here: start at most one process per visible GPU (--nproc_per_node, "
+                           "CUDA_VISIBLE_DEVICES)")
     if index >= count:
         raise BackendError(f"--device {spec} asks for GPU {index}, but torch sees {count}")
     return torch.device("cuda", index)
@@ -126,6 +131,20 @@ class Placement:
         if self.explicit_dtype:
             return self.dtype
         return parent_dtype if parent_dtype.is_floating_point else torch.float32
+
+
+def training_placement(device: str = "auto", dtype: str = "auto") -> Placement:
+    """`Placement.resolve` for a run that trains; float16 is refused there.
+
+    float16's five exponent bits flush small gradients to zero unless the loss is scaled (a
+    GradScaler), and mlxkit's trainers do not scale it. bfloat16 has float32's range and needs no
+    scaling, so it is the lower precision for training.
+    """
+    placement = Placement.resolve(device, dtype)
+    if placement.dtype == torch.float16:
+        raise InputError("--dtype float16 cannot train here: its gradients need loss scaling, which mlxkit's "
+                         "trainers do not do; use --dtype bfloat16 (or float32)")
+    return placement
 
 
 def module_device(module: torch.nn.Module) -> torch.device:

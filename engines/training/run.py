@@ -17,7 +17,7 @@ import torch
 
 from mlxkit.engines.core.progress import Reporter
 from mlxkit.engines.errors import InputError
-from mlxkit.engines.training.device import Placement
+from mlxkit.engines.training.device import Placement, training_placement
 from mlxkit.engines.training.distributed import Distributed
 from mlxkit.engines.training.work import work_dir_beside
 
@@ -56,7 +56,7 @@ class TrainingRun(ABC):
         self.started = time.time()
 
     def resolve_placement(self) -> Placement:
-        return Placement.resolve(self.options.device, self.options.dtype)
+        return training_placement(self.options.device, self.options.dtype)
 
     def join_processes(self) -> Distributed:
         return Distributed.from_env(self.placement.device)

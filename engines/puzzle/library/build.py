@@ -71,7 +71,7 @@ from mlxkit.engines.puzzle.recipe import PuzzleRecipe, load_recipe
 from mlxkit.engines.puzzle.library.scoring import ParentTail, Replacement, parent_metrics, score_streamed, score_subblock
 from mlxkit.engines.puzzle.search_space import SearchSpace, build_search_space
 from mlxkit.engines.puzzle.subblocks import SubblockKind, parent_subblock
-from mlxkit.engines.training.device import Placement, dtype_name
+from mlxkit.engines.training.device import Placement, dtype_name, training_placement
 
 # How each block's training seed is derived from the run seed; part of the run key, so a
 # directory started under another rule is never resumed with this one.
@@ -120,7 +120,9 @@ def run_distill(options: DistillOptions, reporter: Reporter | None = None) -> di
     """Build (unless score-only) and score the library at `options.out`; returns a summary."""
     reporter = reporter or Reporter()
     started = time.time()
-    placement = Placement.resolve(options.device, options.dtype)
+    # Scoring alone trains nothing, so it may run in float16; building trains every block.
+    resolve = Placement.resolve if options.score_only else training_placement
+    placement = resolve(options.device, options.dtype)
     dist = Distributed.from_env(placement.device)
     stack = contextlib.ExitStack()
     try:

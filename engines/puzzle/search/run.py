@@ -51,7 +51,7 @@ from mlxkit.engines.puzzle.library.schema import BlockLibrary
 from mlxkit.engines.puzzle.search.mip import SearchProblem, Solution, Solver, sweep_batch_sizes
 from mlxkit.engines.puzzle.search.refine import (ChildMeasurement, Corrections, RefinementResult, isolated_sum,
                                           measure_child, refine, tokens_hash)
-from mlxkit.engines.training.device import Placement
+from mlxkit.engines.training.device import Placement, training_placement
 from mlxkit.engines.training.distributed import Distributed
 
 DEFAULT_THROUGHPUT = "1.5x"
@@ -185,7 +185,7 @@ def run_search(options: SearchOptions, reporter: Reporter | None = None) -> dict
     stages (pricing, the MIP, assembly, evaluation, export) run on rank 0 while the other ranks
     wait for it; rank 0 alone writes and reports, and the other ranks return `{}`.
     """
-    placement = Placement.resolve(options.device, options.dtype)
+    placement = training_placement(options.device, options.dtype)  # BLD and GKD train
     dist = Distributed.from_env(placement.device)
     try:
         result = _search(options, reporter or Reporter(), dist, placement)
