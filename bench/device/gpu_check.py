@@ -372,9 +372,20 @@ class Step:
         batch = 4 if self.small else 8
         # At the 8B width a micro-batch of 8 x 1024 positions would hold ~4 GiB per vocabulary-wide tensor.
         micro = batch if self.small or shape != "llama-3.1-8b" else 2
-        tokens = seq_len * batch * (3 if self.small else 12)
+        tokens = seq_len * batch * (3 if self.small else 20)  # two logged windows of 10 steps on a GPU
+        from mlxkit.engines.training import loop
+
         syncs: list = []
         recorder = StageRecorder(log, syncs)
+        read_backs: list[int] = []  # the step loop's reads of loss terms: the logged steps, where syncs belong
+        original_read_back = loop.read_back
+
+        def counted_read_back(rows):
+            read_backs.append(len(rows))
+            return original_read_back(rows)
+
+        loop.read_back = counted_read_back
+        log_interval = loop.log_interval
         cuda = torch.cuda.is_available()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -389,7 +400,12 @@ class Step:
                            recorder)
             if cuda:
                 torch.cuda.set_sync_debug_mode("default")
-        sync_messages = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+        sync_warnings = [w for w in caught if "synchroniz" in str(w.message).lower()]
+        sync_messages = [str(w.message) for w in sync_warnings]
+        sites: dict[str, int] = {}
+        for w in sync_warnings:  # where each sync was asked for: the lines to look at
+            site = f"{w.filename}:{w.lineno}"
+            sites[site] = sites.get(site, 0) + 1
         tps = run.get("median_tokens_per_s")
         flops = train_flops_per_token(config, seq_len, backward=True) + train_flops_per_token(config, seq_len,
                                                                                                backward=False)
@@ -397,11 +413,17 @@ class Step:
                                   "batch": batch, "micro_batch": micro, "tokens": tokens, "median_tokens_per_s": tps,
                                   "error": run.get("error"), "stages": recorder.stages,
                                   "host_syncs_total": len(sync_messages), "steps": run.get("steps"),
-                                  "sync_examples": sorted(set(m[:160] for m in sync_messages))[:3]}
+                                  "sync_sites": dict(sorted(sites.items(), key=lambda kv: -kv[1])[:8]),
+                                  "read_backs": len(read_backs), "log_every": log_interval(torch.device(self.o.device))}
         train = [s for s in recorder.stages if s["stage"].startswith("GKD")]
         if train:
             result["host_syncs_in_step_loop"] = train[-1].get("host_syncs")
             result["peak_gpu_gib_training"] = train[-1].get("peak_gpu_gib")
+            if result["peak_gpu_gib_training"]:
+                # Against the 16 bytes a parameter of float32 weights, gradients and AdamW state, plus the
+                # teacher's 2 in bfloat16: what the 8B and 70B plans in BENCHMARKS.md assume.
+                result["peak_bytes_per_param"] = round(result["peak_gpu_gib_training"] * 2**30
+                                                       / parameter_count(config)["total"], 2)
         if tps:
             result["model_tflops_per_s"] = round(flops * tps / 1e12, 2)
             if cuda:
@@ -559,6 +581,7 @@ def summarise(lines: list[dict[str, Any]], options: argparse.Namespace) -> dict[
         "gkd_1b_tokens_per_s": get("gkd-1b", "median_tokens_per_s"), "gkd_1b_mfu": get("gkd-1b", "mfu"),
         "gkd_8b_tokens_per_s": get("gkd-8b", "median_tokens_per_s"), "gkd_8b_mfu": get("gkd-8b", "mfu"),
         "gkd_8b_peak_gpu_gib": get("gkd-8b", "peak_gpu_gib_training"),
+        "gkd_8b_peak_bytes_per_param": get("gkd-8b", "peak_bytes_per_param"),
         "host_syncs_in_step_loop": {s: get(s, "host_syncs_in_step_loop") for s in ("gkd-1b", "gkd-8b")},
         "search_1b_wall_s": get("search-1b", "wall_time_s"),
         "bld_blocks_per_s": get("search-1b", "bld_blocks_per_s"),
