@@ -524,7 +524,11 @@ def drive(options: argparse.Namespace) -> int:
     out = Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(options.work)
-    work.mkdir(parents=True, exist_ok=True)
+    # A fresh scratch folder and cache each time: a library or output left by an earlier run would be
+    # reused, and the stages it skips would go unmeasured.
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    os.environ["MLXKIT_CACHE"] = str(work / "cache")
     jsonl = out / "gpu-check.jsonl"
     jsonl.write_text("")
     deadline = time.monotonic() + options.budget_s
