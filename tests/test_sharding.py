@@ -72,13 +72,20 @@ def _driver(tmp_path: Path) -> Path:
             (reports / f"destroy{{dist.get_rank()}}.json").write_text(json.dumps({{"fsdp_modules": alive}}))
             return destroy(*args, **kwargs)
         dist.destroy_process_group = counting_destroy
+        from mlxkit.engines.models import loading
+        reads = []  # which models this rank read whole from their checkpoints
+        load_model = loading.load_model
+        def counting_load(spec, **kwargs):
+            reads.append(str(getattr(spec, "spec", spec)))
+            return load_model(spec, **kwargs)
+        loading.load_model = counting_load
         recipe = load_distill_recipe("kd").with_overrides(spec.pop("recipe"))
         run = DistillationRun(DistillationOptions(mode="kd", recipe=recipe, out=Path(spec.pop("out")),
                                                   data=Path(spec.pop("data")), **spec))
         try:
             run.setup()
             local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in run.student.parameters())
-            report = {{"rank": run.dist.rank, "local_parameters": local, "sharded": run.sharded}}
+            report = {{"rank": run.dist.rank, "local_parameters": local, "sharded": run.sharded, "reads": len(reads)}}
             (reports / f"rank{{run.dist.rank}}.json").write_text(json.dumps(report))
             summary = run.train()
             if summary is not None:
@@ -111,11 +118,13 @@ def test_sharded_and_replicated_kd_over_two_processes_match_one(pair, text_file,
         if sharding == "auto":
             # Each rank holds half of every parameter (dim 0 split in two; every dim 0 here is even).
             assert all(r["sharded"] and r["local_parameters"] == full // 2 for r in reports)
+            # Rank 0 alone read the teacher and the student; rank 1 built both on the meta device.
+            assert [r["reads"] for r in sorted(reports, key=lambda r: r["rank"])] == [2, 0]
             # No sharded module outlives the process group into the interpreter's exit.
             at_destroy = [json.loads(f.read_text()) for f in sorted((tmp_path / "auto-reports").glob("destroy*.json"))]
             assert at_destroy == [{"fsdp_modules": 0}] * 2
         else:
-            assert all(not r["sharded"] and r["local_parameters"] == full for r in reports)
+            assert all(not r["sharded"] and r["local_parameters"] == full and r["reads"] == 2 for r in reports)
         assert _close(_weights(single), _weights(out)), sharding
         manifest = json.loads((out / "mlxkit.json").read_text())
         assert manifest["results"]["world_size"] == 2

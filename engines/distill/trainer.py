@@ -45,8 +45,8 @@ from mlxkit.engines.training.run import TrainingOptions, TrainingRun
 from mlxkit.engines.training.loop import StepLoop, StepOutcome, log_interval, median
 from mlxkit.engines.training.schedule import batch_indices
 from mlxkit.engines.training.spec import build_adamw, gradient_checkpointing_on
-from mlxkit.engines.training.sharding import (full_state_dict, is_sharded, load_sharded_checkpoint,
-                                              save_sharded_checkpoint, shard_model, sharding_on)
+from mlxkit.engines.training.sharding import (build_sharded, full_state_dict, is_sharded, load_sharded_checkpoint,
+                                              meta_model, save_sharded_checkpoint, sharding_on)
 from mlxkit.engines.training.step import (check_global_batch, clip_and_step, decoder_states,
                                           enable_gradient_checkpointing, place_frozen, place_trainable,
                                           release_training_state, set_learning_rate, term_sums)
@@ -94,22 +94,32 @@ class DistillationRun(TrainingRun):
         spec = self.recipe.optim
         check_global_batch(spec.batch_sequences, self.dist.world_size, "optim.batch_sequences")
         # The teacher only runs forwards: it is read straight into the compute dtype. The student's
-        # float32 copy is its master weights. Under sharding each model is sharded before the next one is
-        # read, so no rank ever holds both whole.
-        teacher = load_model(self.options.teacher, dtype=self.placement.dtype, allow_pickle=self.options.allow_pickle,
-                             reporter=self.reporter)
+        # float32 copy is its master weights. Under sharding only rank 0 reads the weights: the other
+        # ranks build both models on the meta device and receive their shards from rank 0
+        # (`build_sharded`), so no process but rank 0 holds a whole model, and no GPU does.
+        self.sharded = sharding_on(self.options.sharding, self.dist)
+        reads_weights = self.dist.is_main or not self.sharded
+        self.teacher_source = resolve_spec(self.options.teacher, self.reporter)
+        if reads_weights:
+            teacher = load_model(self.teacher_source, dtype=self.placement.dtype,
+                                 allow_pickle=self.options.allow_pickle, reporter=self.reporter)
+            self.teacher, teacher_tokenizer = teacher.model, teacher.tokenizer
+            del teacher
+        else:
+            check_local_weights(self.teacher_source, self.options.allow_pickle)
+            self.teacher = meta_model(load_config(self.options.teacher, reporter=self.reporter), self.placement.dtype)
+            teacher_tokenizer = load_tokenizer(self.teacher_source)
         self.student_source = resolve_spec(self.options.student, self.reporter)
         check_local_weights(self.student_source, self.options.allow_pickle)
         student_config = load_config(self.options.student, reporter=self.reporter)
         self.tokenizer = load_tokenizer(self.student_source)
-        self._check_pair(teacher.model.config, teacher.tokenizer, student_config, self.tokenizer)
+        self._check_pair(self.teacher.config, teacher_tokenizer, student_config, self.tokenizer)
         self.trained_layers = self._trained_layers(student_config)
-        self._check_memory(teacher.model, student_config)
-        self.teacher, self.teacher_source = teacher.model, teacher.source
-        del teacher
+        self._check_memory(self.teacher, student_config)
         self.save_dtype = self.placement.save_dtype(source_dtype(self.student_source), self.options.save_dtype)
         self.teacher.config._attn_implementation = "sdpa"
-        place_frozen(self.teacher, self.placement)
+        if not self.sharded:
+            place_frozen(self.teacher, self.placement)
         self.seq_len = self.recipe.data.seq_len
         positions = getattr(student_config, "max_position_embeddings", None)
         if positions and self.seq_len > positions:
@@ -118,7 +128,6 @@ class DistillationRun(TrainingRun):
         self.steps = max(1, math.ceil(tokens / (spec.batch_sequences * self.seq_len)))
         self._check_or_write_run_key()
         self.train_ids, self.val_ids = self._token_blocks()  # may sample from the whole teacher on rank 0
-        self.sharded = sharding_on(self.options.sharding, self.dist)
         self.teacher_cache = None
         if self.recipe.loss.teacher_top_k is not None:
             if self.sharded:
@@ -130,22 +139,34 @@ class DistillationRun(TrainingRun):
                                                    self.recipe.loss.temperature,
                                                    str(self.placement.dtype).removeprefix("torch."))
         if self.sharded:
-            shard_model(self.teacher, self.placement, trainable=False)
+            self.teacher = build_sharded(self.teacher, self.placement, self.dist, dtype=self.placement.dtype,
+                                         trainable=False)
             gc.collect()
-        self.student = load_model(self.student_source, with_tokenizer=False, allow_pickle=self.options.allow_pickle,
-                                  reporter=self.reporter).model
-        self.generation_config = self.student.generation_config
-        self.student.config._attn_implementation = "sdpa"
-        place_trainable(self.student, self.placement)
-        if self.trained_layers is not None:
-            self.student.requires_grad_(False)
-            for index in self.trained_layers:
-                self.student.model.layers[index].requires_grad_(True)
-        if gradient_checkpointing_on(self.recipe.gradient_checkpointing, self.placement.device):
-            enable_gradient_checkpointing(self.student)
+        if reads_weights:
+            student = load_model(self.student_source, with_tokenizer=False, allow_pickle=self.options.allow_pickle,
+                                 reporter=self.reporter).model
+        else:
+            student = meta_model(student_config, torch.float32)
+        self.generation_config = student.generation_config
+        student.config._attn_implementation = "sdpa"
+
+        def prepare(model: torch.nn.Module) -> None:
+            if self.trained_layers is not None:
+                model.requires_grad_(False)
+                for index in self.trained_layers:
+                    model.model.layers[index].requires_grad_(True)
+            if gradient_checkpointing_on(self.recipe.gradient_checkpointing, self.placement.device):
+                enable_gradient_checkpointing(model)
+
         if self.sharded:
-            shard_model(self.student, self.placement, trainable=True)
+            self.student = build_sharded(student, self.placement, self.dist, dtype=torch.float32, trainable=True,
+                                         prepare=prepare)
             gc.collect()
+        else:
+            place_trainable(student, self.placement)
+            prepare(student)
+            self.student = student
+        del student
         self.params = [p for p in self.student.parameters() if p.requires_grad]
         self.optimizer = build_adamw(self.params, spec)
         self.state = TrainingState(0, 0, 0, {"train_seconds": 0.0})

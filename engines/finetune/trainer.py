@@ -42,8 +42,8 @@ from mlxkit.engines.training.run import TrainingOptions, TrainingRun
 from mlxkit.engines.training.loop import StepLoop, StepOutcome, log_interval, median
 from mlxkit.engines.training.schedule import batch_indices
 from mlxkit.engines.training.spec import build_adamw, gradient_checkpointing_on
-from mlxkit.engines.training.sharding import (full_state_dict, load_sharded_checkpoint, save_sharded_checkpoint,
-                                              shard_model, sharding_on)
+from mlxkit.engines.training.sharding import (build_sharded, full_state_dict, load_sharded_checkpoint, meta_model,
+                                              save_sharded_checkpoint, sharding_on)
 from mlxkit.engines.training.step import (check_global_batch, clip_and_step, enable_gradient_checkpointing,
                                           place_trainable, release_training_state, set_learning_rate)
 from mlxkit.engines.training.work import check_run_key, finished_run_key, refuse_existing_output, work_dir_beside
@@ -75,7 +75,8 @@ class FinetuneRun(TrainingRun):
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
         """Check everything, load and prepare; the work directory appears only once all checks passed."""
-        from mlxkit.engines.models.loading import load_model, source_dtype
+        from mlxkit.engines.models.loading import (check_local_weights, load_config, load_model, load_tokenizer,
+                                                   resolve_spec, source_dtype)
 
         recipe, options = self.recipe, self.options
         self._check_options()
@@ -84,10 +85,19 @@ class FinetuneRun(TrainingRun):
         eval_raw = None
         if options.eval_data is not None:
             eval_raw = read_raw(options.eval_data, "causal_lm", text_field, label_field)
-        loaded = load_model(options.model, allow_pickle=options.allow_pickle, reporter=self.reporter)
-        self.tokenizer, self.source = loaded.tokenizer, loaded.source
-        self.save_dtype = self.placement.save_dtype(source_dtype(loaded.source), options.save_dtype)
-        lm = loaded.model
+        # Under sharding only rank 0 reads the weights; the other ranks build the model on the meta device and
+        # receive their shards from rank 0 (`build_sharded`), so no process but rank 0 holds the whole model.
+        self.sharded = self._sharded()
+        self.source = resolve_spec(options.model, self.reporter)
+        if self.dist.is_main or not self.sharded:
+            loaded = load_model(self.source, allow_pickle=options.allow_pickle, reporter=self.reporter)
+            self.tokenizer, lm = loaded.tokenizer, loaded.model
+            del loaded
+        else:
+            check_local_weights(self.source, options.allow_pickle)
+            self.tokenizer = load_tokenizer(self.source)
+            lm = meta_model(load_config(options.model, reporter=self.reporter), torch.float32)
+        self.save_dtype = self.placement.save_dtype(source_dtype(self.source), options.save_dtype)
         lm.config._attn_implementation = "sdpa"
         positions = getattr(lm.config, "max_position_embeddings", None)
         if positions and recipe.data.seq_len > positions:
@@ -96,13 +106,17 @@ class FinetuneRun(TrainingRun):
         torch.manual_seed(derive_seed(options.seed, "finetune"))
         labels = raw.label_names if isinstance(raw, LabelledTexts) else None
         self.model, self.peft = build_model(lm, recipe, labels, model_spec=f"model '{options.model}'")
-        place_trainable(self.model, self.placement)
-        if gradient_checkpointing_on(recipe.gradient_checkpointing, self.placement.device):
-            enable_gradient_checkpointing(lm)
-        self.labels = labels
-        self.sharded = self._sharded()
+
+        def prepare(model: torch.nn.Module) -> None:
+            if gradient_checkpointing_on(recipe.gradient_checkpointing, self.placement.device):
+                enable_gradient_checkpointing(model)
+
         if self.sharded:
-            shard_model(lm, self.placement, trainable=True)
+            build_sharded(lm, self.placement, self.dist, dtype=torch.float32, trainable=True, prepare=prepare)
+        else:
+            place_trainable(self.model, self.placement)
+            prepare(lm)
+        self.labels = labels
         self.params = [p for _, p in self.model.trainable()]
         if recipe.method == "htuning":
             assert recipe.htuning is not None

@@ -27,7 +27,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -67,6 +67,50 @@ def shard_model(model: torch.nn.Module, placement: Placement, *, trainable: bool
             unit.set_gradient_divide_factor(1.0)  # type: ignore[operator]
             # A plain sum: gloo has no pre-multiplied sum, and with a factor of 1 there is nothing to scale.
             unit.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
+
+
+def meta_model(config: Any, dtype: torch.dtype) -> torch.nn.Module:
+    """The causal LM that `config` describes, built on the meta device: shapes and dtypes, no storage."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def build_sharded(model: torch.nn.Module, placement: Placement, dist: Distributed, *, dtype: torch.dtype,
+                  trainable: bool, prepare: Callable[[torch.nn.Module], None] | None = None) -> torch.nn.Module:
+    """`model` sharded over the ranks, of which only rank 0 ever read the whole.
+
+    Rank 0 passes the model it loaded (on the CPU); every other rank passes the same architecture
+    built on the meta device (`meta_model`), which allocates nothing. Every
+    rank shards its copy: FSDP2 moves rank 0's weights to its device one unit at a time, so no
+    GPU holds a whole model. Rank 0's full state dict is then broadcast into the other ranks'
+    shards, as torchtune's distributed recipes load, and buffers no state dict holds (RoPE
+    frequencies) are broadcast beside it. `prepare` runs on every rank before sharding (the
+    trainable flags, gradient checkpointing), so every rank shards the same way.
+    """
+    import torch.distributed as torch_dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    model = model.to(dtype=dtype)
+    full = model.state_dict() if dist.is_main else {}
+    model.train(trainable)
+    if not trainable:
+        model.requires_grad_(False)
+    if prepare is not None:
+        prepare(model)
+    shard_model(model, placement, trainable=trainable)
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    del full
+    for module in model.modules():
+        for name, buffer in list(module._buffers.items()):
+            if buffer is None:
+                continue
+            if buffer.device.type == "meta":
+                buffer = torch.empty_like(buffer, device=placement.device)
+                module._buffers[name] = buffer
+            torch_dist.broadcast(buffer, src=0)
+    return model
 
 
 def is_sharded(tensor: torch.Tensor) -> bool:
