@@ -163,3 +163,86 @@ def test_more_launcher_ranks_than_visible_gpus_is_one_clear_error(monkeypatch):
         resolve_device("cuda")
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert resolve_device("auto") == torch.device("cuda", 1)
+
+
+# ---- a training step on a device other than the CPU --------------------------------------------------
+# The meta device stands in for a GPU (see test_device_placement.py): an operation mixing a meta tensor
+# with a CPU tensor raises, and reading a meta tensor's value (`.item()`, `.tolist()`) raises too, so a
+# step that runs through on meta creates no CPU tensor and reads nothing back to the host.
+
+META = torch.device("meta")
+
+
+@pytest.fixture
+def no_packed_sequence_check(monkeypatch):
+    """transformers' own host read: each forward without an attention mask asks whether its position ids
+    pack several sequences (`bool(tensor)`), which waits for the GPU once per forward of a transformers
+    model. It is not mlxkit's to remove; the GPU check counts it among the syncs it reports."""
+    from transformers import masking_utils
+
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
+
+
+def _onto_meta(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None:
+                module._parameters[name] = torch.nn.Parameter(torch.empty_like(p, device=META),
+                                                              requires_grad=p.requires_grad)
+        for name, b in list(module._buffers.items()):
+            if b is not None:
+                module._buffers[name] = torch.empty_like(b, device=META)
+
+
+def test_the_harness_catches_a_host_read_and_a_cpu_tensor():
+    x = torch.empty(3, device=META)
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        x.sum().item()
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        x + torch.ones(3)
+
+
+def test_a_gkd_step_on_another_device_makes_no_cpu_tensor_and_reads_nothing_back(gkd_pair, text_file, tmp_path,
+                                                                                   no_packed_sequence_check):
+    from mlxkit.engines.distill.trainer import DistillationRun
+    from mlxkit.engines.training.device import Placement
+    from mlxkit.engines.training.spec import build_adamw
+
+    recipe = load_distill_recipe("gkd").with_overrides({
+        "data.seq_len": 32, "data.held_out_sequences": 2, "optim.batch_sequences": 4, "optim.micro_batch_sequences": 2})
+    run = DistillationRun(DistillationOptions(mode="gkd", teacher=str(gkd_pair[0]), student=str(gkd_pair[1]),
+                                              out=tmp_path / "out", recipe=recipe, data=text_file, tokens=4 * 32))
+    run.setup()
+    try:
+        _onto_meta(run.teacher)
+        _onto_meta(run.student)
+        run.placement = Placement(META, torch.float32)
+        run.params = [p for p in run.student.parameters() if p.requires_grad]
+        run.optimizer = build_adamw(run.params, recipe.optim)
+        outcome = run.train_step(0)
+        assert {v.device for v in outcome.terms.values()} == {META}
+        assert all(p.device == META for p in run.student.parameters())
+    finally:
+        run.cleanup()
+
+
+def test_a_lora_step_on_another_device_makes_no_cpu_tensor_and_reads_nothing_back(tiny_llama_dir, text_file, tmp_path,
+                                                                                    no_packed_sequence_check):
+    from mlxkit.engines.finetune.recipe import load_finetune_recipe
+    from mlxkit.engines.finetune.trainer import FinetuneOptions, FinetuneRun
+    from mlxkit.engines.training.device import Placement
+    from mlxkit.engines.training.spec import build_adamw
+
+    recipe = load_finetune_recipe("lora").with_overrides({"data.seq_len": 32, "data.held_out_sequences": 2,
+                                                          "optim.batch_sequences": 4, "optim.micro_batch_sequences": 2})
+    run = FinetuneRun(FinetuneOptions(model=str(tiny_llama_dir), data=text_file, out=tmp_path / "out", recipe=recipe))
+    run.setup()
+    try:
+        _onto_meta(run.model.lm)
+        run.placement = Placement(META, torch.float32)
+        run.params = [p for _, p in run.model.trainable()]
+        run.optimizer = build_adamw(run.params, recipe.optim)
+        outcome = run.train_step(0)
+        assert {v.device for v in outcome.terms.values()} == {META}
+    finally:
+        run.cleanup()
