@@ -63,14 +63,15 @@ def launch_rank() -> int:
 
 
 def make_reporter(json_out: bool, quiet: bool, verbose: bool) -> Reporter:
-    """Progress goes to stderr; with --json or --quiet the user asked for silence.
+    """Progress goes to stderr, as plain timestamped lines with --json (a CI job parses stdout and
+    reads the log); --quiet alone silences it.
 
     Under a launcher only rank 0 reports: the other ranks do the same work on their share, and
     their progress and notices would only repeat rank 0's.
     """
-    if quiet or json_out or launch_rank() != 0:
+    if quiet or launch_rank() != 0:
         return Reporter()
-    return RichReporter(verbose=verbose)
+    return RichReporter(verbose=verbose, plain=json_out)
 
 
 def emit_json(payload: Any) -> None:

@@ -28,7 +28,7 @@ class FlushCountingStream(io.StringIO):
 
 
 def _reporter(stream, clock, interval_s=30.0) -> RichReporter:
-    return RichReporter(console=Console(file=stream), interval_s=interval_s, clock=clock)
+    return RichReporter(console=Console(file=stream), interval_s=interval_s, clock=clock, stamp=lambda: "")
 
 
 def test_a_log_gets_a_start_line_throttled_progress_and_an_end_line():
@@ -87,3 +87,39 @@ def test_notices_still_print_and_debug_only_when_verbose():
     reporter.debug("shown")
     assert "using sampled text" in stream.getvalue() and "shown" in stream.getvalue()
     assert "hidden" not in stream.getvalue()
+
+
+def test_plain_lines_carry_the_wall_clock_time_and_json_runs_get_them_on_a_terminal_too():
+    stream, clock = FlushCountingStream(), FakeClock()
+    terminal = Console(file=stream, force_terminal=True)
+    reporter = RichReporter(plain=True, console=terminal, clock=clock, stamp=lambda: "[12:00:00] ")
+    assert terminal.is_terminal and reporter.plain
+    with reporter.task("scoring", total=2) as task:
+        clock.now += 11
+        task.advance()  # past the default interval: a progress line
+    reporter.notice("cached library reused")
+    lines = stream.getvalue().splitlines()
+    assert lines == ["[12:00:00] scoring: started (2 steps)", "[12:00:00] scoring: 1/2, 0.0909/s, ETA 11s",
+                     "[12:00:00] scoring: 1/2 done in 11s, 0.0909/s", "[12:00:00] • cached library reused"]
+    import re
+
+    default = RichReporter(console=Console(file=io.StringIO()))
+    default.notice("x")
+    assert re.fullmatch(r"\[\d\d:\d\d:\d\d\] • x\n", default.console.file.getvalue())
+
+
+def test_a_json_run_piped_to_files_has_progress_on_stderr_and_only_the_json_on_stdout(tiny_llama_dir, text_file):
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "mlxkit", "eval", str(tiny_llama_dir), "--data", str(text_file),
+                           "--device", "cpu", "--json"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout)["perplexity"] > 0  # stdout is exactly one JSON object
+    stamped = [line for line in done.stderr.splitlines() if line[:1] == "[" and line[9:11] == "] "]
+    assert any(line.endswith(": started") or "started (" in line for line in stamped), done.stderr
+    assert any(" done in " in line for line in stamped), done.stderr
+    quiet = subprocess.run([sys.executable, "-m", "mlxkit", "eval", str(tiny_llama_dir), "--data", str(text_file),
+                            "--device", "cpu", "--json", "--quiet"], capture_output=True, text=True, timeout=300)
+    assert quiet.returncode == 0 and not [line for line in quiet.stderr.splitlines() if " done in " in line]

@@ -1,9 +1,10 @@
 """Progress and notices from long-running engine work.
 
 Engines take a `Reporter` and never print directly. The CLI passes a `RichReporter`
-(progress on stderr) unless `--quiet` or `--json` asks for silence. On a terminal it draws
-live bars with an ETA; in a log file or a pipe (CI, `make demo > log`) a live bar prints
-nothing until it ends, so there it writes plain, flushed lines instead.
+(progress on stderr) unless `--quiet` asks for silence. On a terminal it draws live bars with
+an ETA; in a log file or a pipe (CI, `make demo > log`), and with `--json` (whose stdout holds
+only the JSON), it writes plain, flushed, timestamped lines instead: a task's start, its
+progress at most every `LOG_INTERVAL_S` with count, rate and ETA, and its end.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-# How often a non-terminal log gets a progress line for a running task.
-LOG_INTERVAL_S = 30.0
+# How often a non-terminal log gets a progress line for a running task: often enough that a CI
+# log tells a slow stage from a hung one, rarely enough that a long run's log stays readable.
+LOG_INTERVAL_S = 10.0
 
 
 class Reporter:
@@ -53,14 +55,17 @@ class RichReporter(Reporter):
     buffer is not a terminal, and a fake clock makes the line cadence deterministic.
     """
 
-    def __init__(self, verbose: bool = False, *, console: Console | None = None,
-                 interval_s: float = LOG_INTERVAL_S, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, verbose: bool = False, *, plain: bool = False, console: Console | None = None,
+                 interval_s: float = LOG_INTERVAL_S, clock: Callable[[], float] = time.monotonic,
+                 stamp: Callable[[], str] | None = None) -> None:
         from rich.console import Console
 
         self.console = console if console is not None else Console(stderr=True)
         self.verbose = verbose
+        self.plain = plain or not self.console.is_terminal  # plain lines: a log, a pipe, or --json
         self.interval_s = interval_s
         self.clock = clock
+        self.stamp = stamp if stamp is not None else _wall_clock_stamp
 
     def _progress(self):
         from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
@@ -80,7 +85,7 @@ class RichReporter(Reporter):
 
     @contextlib.contextmanager
     def task(self, description: str, total: int | None = None) -> Iterator[TaskHandle]:
-        if not self.console.is_terminal:
+        if self.plain:
             handle = _LogTaskHandle(self._write_line, description, total, self.interval_s, self.clock)
             yield handle
             handle.finish()  # not on an exception: the error line that follows says what happened
@@ -90,19 +95,30 @@ class RichReporter(Reporter):
             yield _RichTaskHandle(progress, task_id)
 
     def notice(self, message: str) -> None:
-        # soft_wrap: one line per notice in a log too (rich would wrap it at 80 columns there)
+        if self.plain:
+            self._write_line(f"• {message}")
+            return
+        # soft_wrap: one line per notice (rich would wrap it at 80 columns)
         self.console.print(f"[cyan]•[/cyan] {message}", highlight=False, soft_wrap=True)
 
     def debug(self, message: str) -> None:
-        if self.verbose:
-            self.console.print(f"[dim]{message}[/dim]", highlight=False, soft_wrap=True)
+        if not self.verbose:
+            return
+        if self.plain:
+            self._write_line(message)
+            return
+        self.console.print(f"[dim]{message}[/dim]", highlight=False, soft_wrap=True)
 
     def _write_line(self, line: str) -> None:
         # Written to the stream itself, not through rich, so a line is never wrapped or styled,
         # and flushed at once so `tail -f` on a log shows it while the task runs.
         stream = self.console.file
-        stream.write(line + "\n")
+        stream.write(f"{self.stamp()}{line}\n")
         stream.flush()
+
+
+def _wall_clock_stamp() -> str:
+    return time.strftime("[%H:%M:%S] ")
 
 
 def _format_fields(fields: dict[str, object]) -> str:
