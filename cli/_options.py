@@ -150,27 +150,10 @@ def canonical_dtype(spec: Optional[str]) -> Optional[str]:
 
 
 def check_pairs(pairs: list[str], flag: str = "--set") -> list[tuple[str, str]]:
-    """`key=value` strings split into (key, raw value); anything else is a usage error."""
-    split = []
-    for pair in pairs:
-        key, sep, raw = pair.partition("=")
-        if not sep or not key.strip():
-            raise fail(f"{flag} takes key=value (got '{pair}')")
-        split.append((key.strip(), raw))
-    return split
+    """`key=value` strings split into (key, raw value); the grammar is `engines.core.yaml_config.split_pairs`."""
+    from mlxkit.engines.core.yaml_config import split_pairs
 
-
-def parse_overrides(pairs: list[str]) -> dict[str, object]:
-    """`--set optim.lr=3e-4` → {"optim.lr": 0.0003}; values are read as YAML scalars."""
-    import yaml
-
-    overrides: dict[str, object] = {}
-    for key, raw in check_pairs(pairs):
-        try:
-            overrides[key] = yaml.safe_load(raw)
-        except yaml.YAMLError:
-            raise fail(f"--set {key}: cannot read the value '{raw}'") from None
-    return overrides
+    return split_pairs(pairs, flag)
 
 
 def flags_and_overrides(flags: dict[str, tuple[str, Any]], pairs: list[str], set_flag: str = "--set") -> dict[str, object]:
@@ -178,7 +161,9 @@ def flags_and_overrides(flags: dict[str, tuple[str, Any]], pairs: list[str], set
 
     A field given by both is a usage error, whichever value would have won: neither is dropped silently.
     """
-    overrides = parse_overrides(pairs)
+    from mlxkit.engines.core.yaml_config import parse_overrides
+
+    overrides = parse_overrides(pairs, set_flag)
     settings: dict[str, object] = {}
     for key, (flag, value) in flags.items():
         if value is None:

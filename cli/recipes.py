@@ -7,11 +7,11 @@ from importlib import resources
 from typing import Annotated
 
 import typer
-import yaml
 from rich.table import Table
 
 from mlxkit.cli._errors import guarded
 from mlxkit.cli._options import JsonOpt, Output, console
+from mlxkit.engines.core.yaml_config import read_yaml_mapping, read_yaml_text
 
 
 @guarded
@@ -27,7 +27,8 @@ def recipes_command(
     root = resources.files("mlxkit.recipes")
     for folder in sorted((p for p in root.iterdir() if p.is_dir() and not p.name.startswith("_")), key=lambda p: p.name):
         for item in sorted((p for p in folder.iterdir() if p.name.endswith(".yaml")), key=lambda p: p.name):
-            data = yaml.safe_load(item.read_text()) or {}
+            origin = f"recipe {folder.name}/{item.name}"
+            data = read_yaml_mapping(read_yaml_text(item, origin), origin)
             rows.append({"verb": folder.name, "name": item.name[:-5],
                          "description": str(data.get("description", "")).strip(), "path": str(item)})
     Output(json_out).emit(rows, _render)

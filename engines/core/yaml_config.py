@@ -1,8 +1,8 @@
 """Load YAML written by users into pydantic models, reporting every problem at once.
 
-Recipes, hardware profiles and merge configs all come through here: a safe loader (no
-arbitrary Python objects), a mapping at the top level, and one error that lists each
-invalid key by its dotted path.
+Recipes, hardware profiles, merge configs and `--set` values all come through here: a safe
+loader (no arbitrary Python objects) with bounds on size, depth and alias expansion, a mapping
+at the top level, and one error that lists each invalid key by its dotted path.
 """
 
 from __future__ import annotations
@@ -31,12 +31,122 @@ def validation_problems(exc: ValidationError) -> str:
     return "; ".join(problems)
 
 
-def read_yaml_mapping(text: str, origin: str, error: type[InputError] = InputError) -> dict[str, Any]:
-    """Parse `text` with the safe loader; the top level must be a mapping (empty text is `{}`)."""
+# Far beyond any config mlxkit reads (its largest packaged recipe is a few KiB, nested 5 deep), and
+# small enough that the parse, and every walk over the result after it, stays quick and shallow.
+MAX_YAML_BYTES = 1 << 20
+MAX_YAML_DEPTH = 64
+MAX_YAML_NODES = 100_000  # counted with every alias expanded, as the consumers of the result see it
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """The safe loader, refusing nesting beyond MAX_YAML_DEPTH while it composes.
+
+    PyYAML's composer recurses once per level, so thousands of nested `[` reach Python's recursion
+    limit before any error of its own; the count stops it first.
+    """
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self.depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        self.depth += 1
+        try:
+            if self.depth > MAX_YAML_DEPTH:
+                raise _Bound(f"nested more than {MAX_YAML_DEPTH} levels deep")
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+
+class _Bound(Exception):
+    """A bound of the loader was passed (internal: becomes the caller's typed error)."""
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [part for pair in node.value for part in pair]
+    return []
+
+
+def _check_expansion(root: yaml.Node) -> None:
+    """Refuse a graph whose aliases expand past MAX_YAML_NODES nodes or MAX_YAML_DEPTH levels, or loop.
+
+    An alias is the anchored node itself, so a few lines of anchors can stand for billions of
+    nodes; each node's expanded size is computed once, which costs the graph's size, not the
+    expansion's.
+    """
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()
+
+    def size(node: yaml.Node, depth: int) -> int:
+        if depth > MAX_YAML_DEPTH:
+            raise _Bound(f"nested more than {MAX_YAML_DEPTH} levels deep once its aliases are expanded")
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in open_nodes:
+            raise _Bound("an alias refers to a node that contains it")
+        open_nodes.add(key)
+        total = 1
+        for child in _children(node):
+            total += size(child, depth + 1)
+            if total > MAX_YAML_NODES:
+                raise _Bound(f"more than {MAX_YAML_NODES} values once its aliases are expanded")
+        open_nodes.discard(key)
+        sizes[key] = total
+        return total
+
+    size(root, 1)
+
+
+def load_yaml(text: str, origin: str, error: type[InputError] = InputError) -> Any:
+    """Parse `text` with the safe loader, within MAX_YAML_BYTES, MAX_YAML_DEPTH and MAX_YAML_NODES.
+
+    Raises `error` naming `origin` for text that is not YAML, passes a bound, or holds a value the
+    safe constructor cannot build (a timestamp `2001-13-45`, an integer of 5000 digits).
+    """
+    if len(text) > MAX_YAML_BYTES:
+        raise error(f"{origin} is larger than {MAX_YAML_BYTES >> 20} MiB; a config is a few KiB")
+    loader = None
     try:
-        data = yaml.safe_load(text)
+        loader = _BoundedLoader(text)  # the reader refuses control characters already here
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_expansion(node)
+        return loader.construct_document(node)
+    except _Bound as exc:
+        raise error(f"{origin} is refused: {exc}") from None
     except yaml.YAMLError as exc:
         raise error(f"{origin} is not valid YAML: {' '.join(str(exc).split())}") from None
+    except (ValueError, OverflowError) as exc:  # the safe constructor's int(), float() and datetime()
+        raise error(f"{origin} is not valid YAML: {' '.join(str(exc).split())}") from None
+    finally:
+        if loader is not None:
+            loader.dispose()
+
+
+def read_yaml_text(path: str | os.PathLike, origin: str, error: type[InputError] = InputError) -> str:
+    """The text of a YAML file, read no further than MAX_YAML_BYTES (a device or a huge file never fills memory)."""
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read(MAX_YAML_BYTES + 1)
+    except OSError as exc:
+        raise error(f"cannot read {origin}: {exc.strerror or exc}") from None
+    if len(raw) > MAX_YAML_BYTES:
+        raise error(f"{origin} is larger than {MAX_YAML_BYTES >> 20} MiB; a config is a few KiB")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise error(f"{origin} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
+
+def read_yaml_mapping(text: str, origin: str, error: type[InputError] = InputError) -> dict[str, Any]:
+    """Parse `text` with the bounded loader; the top level must be a mapping (empty text is `{}`)."""
+    data = load_yaml(text, origin, error)
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -121,10 +231,46 @@ def load_packaged_or_file(model: type[ModelT], name_or_path: str | os.PathLike, 
     if looks_like_file(name_or_path):
         if not path.is_file():
             raise error(f"{what} file '{path}' does not exist")
-        return load_yaml_model(model, path.read_text(), f"{what} {path}", error)
+        return load_yaml_model(model, read_yaml_text(path, f"{what} {path}", error), f"{what} {path}", error)
     resource = packaged_yaml(package, str(name_or_path))
     if resource is None:
         here = f"; to read the file '{path}', write ./{path}" if path.is_file() else ""
         raise error(f"unknown {what} '{name_or_path}' (available: {', '.join(packaged_names(package))}, "
                     f"or a path to a YAML file){here}")
-    return load_yaml_model(model, resource.read_text(), f"{what} {name_or_path} (packaged)", error)
+    origin = f"{what} {name_or_path} (packaged)"
+    return load_yaml_model(model, read_yaml_text(resource, origin, error), origin, error)
+
+
+def split_pairs(pairs: list[str], flag: str = "--set") -> list[tuple[str, str]]:
+    """`key=value` strings split into (dotted key, raw value).
+
+    The key is dotted words (`optim.lr`), each part non-empty; the first `=` ends it, so a value may
+    hold `=` itself. Anything else is an `InputError` naming `flag`.
+    """
+    split = []
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise InputError(f"{flag} takes key=value (got '{pair}')")
+        if any(not part.strip() or part != part.strip() for part in key.split(".")):
+            raise InputError(f"{flag} {key}: every part of a dotted key is a name (got '{key}')")
+        split.append((key, raw))
+    return split
+
+
+def parse_overrides(pairs: list[str], flag: str = "--set") -> dict[str, Any]:
+    """`--set optim.lr=3e-4` → {"optim.lr": 0.0003}: each value is read by the bounded YAML loader.
+
+    A key given twice is an error rather than the last one winning silently. The values' types and
+    ranges are the schema's to check (`with_overrides`), with the key's path in the message.
+    """
+    overrides: dict[str, Any] = {}
+    for key, raw in split_pairs(pairs, flag):
+        if key in overrides:
+            raise InputError(f"{flag} {key}= is given twice; give it once")
+        try:
+            overrides[key] = load_yaml(raw, f"{flag} {key}")
+        except InputError as exc:
+            raise InputError(f"{flag} {key}: cannot read the value '{raw[:80]}' ({exc})") from None
+    return overrides

@@ -29,7 +29,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from mlxkit.engines.core.yaml_config import load_yaml_model, looks_like_file, packaged_yaml
+from mlxkit.engines.core.yaml_config import load_yaml_model, looks_like_file, packaged_yaml, read_yaml_text
 from mlxkit.engines.errors import InputError
 from mlxkit.engines.hardware.scenario import DTYPE_BYTES, Scenario
 
@@ -180,10 +180,12 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
     if looks_like_file(text_name) or text_name.startswith("~"):  # a bare word is a packaged profile
         if not path.is_file():
             raise InputError(f"hardware profile file '{text_name}' does not exist")
-        return load_yaml_model(HardwareProfile, path.read_text(), f"hardware profile {path}")
+        origin = f"hardware profile {path}"
+        return load_yaml_model(HardwareProfile, read_yaml_text(path, origin), origin)
     key = text_name.lower()
     resource = packaged_yaml("mlxkit.hw_profiles", key)
     if resource is None:
         raise InputError(f"unknown hardware profile '{text_name}'; available: {', '.join(available_profiles())} "
                          "(or pass a path to a YAML profile, e.g. one written by `mlx calibrate`)")
-    return load_yaml_model(HardwareProfile, resource.read_text(), f"hardware profile hw_profiles/{key}.yaml")
+    origin = f"hardware profile hw_profiles/{key}.yaml"
+    return load_yaml_model(HardwareProfile, read_yaml_text(resource, origin), origin)

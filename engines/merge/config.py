@@ -41,7 +41,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from mlxkit.engines.core.sizes import parse_bytes
-from mlxkit.engines.core.yaml_config import looks_like_file, packaged_yaml, read_yaml_mapping, validate_model
+from mlxkit.engines.core.yaml_config import (load_yaml, looks_like_file, packaged_yaml, read_yaml_mapping,
+                                             read_yaml_text, validate_model)
 from mlxkit.engines.errors import InputError, RecipeError
 from mlxkit.engines.merge.params import ALPHA, ALPHA_GRID_POINT, ParamDef
 from mlxkit.engines.merge.tokenizers import has_tokenizer_files
@@ -652,11 +653,7 @@ def read_recipe(path: str | Path) -> dict[str, Any]:
         if bundled is None:
             raise RecipeError(f"recipe '{path}' is neither a file nor a bundled merge recipe")
         p = bundled
-    try:
-        text = p.read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise RecipeError(f"cannot read recipe '{p}': {exc}") from None
-    return read_yaml_mapping(text, f"recipe '{p}'", RecipeError)
+    return read_yaml_mapping(read_yaml_text(p, f"recipe '{p}'", RecipeError), f"recipe '{p}'", RecipeError)
 
 
 def validate_config(data: dict[str, Any], origin: str = "options") -> MergeConfig:
@@ -683,15 +680,23 @@ def config_from_options(*, models: list[str], recipe: Optional[str], base: Optio
         raise RecipeError("no models to merge: pass model paths or a --recipe with models: or slices:")
     if method or isotropic:
         data["merge_method"] = method or "iso-cts"
-    parameters = dict(data.get("parameters") or {})
-    for item in params:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise RecipeError(f"--param takes key=value (got '{item}')")
-        parameters[key.strip().replace("-", "_")] = _param_text(raw)
-    if common_frac is not None:
-        parameters["common_frac"] = common_frac  # text from the CLI: checked (and typed) like any parameter
-    data["parameters"] = parameters
+    parameters = data.get("parameters")
+    if params or common_frac is not None:
+        if parameters is not None and not isinstance(parameters, dict):
+            raise RecipeError(f"merge settings (recipe '{recipe}') is invalid: parameters: must be a mapping of "
+                              f"parameter names to values, not a {type(parameters).__name__}")
+        parameters = dict(parameters or {})
+        for item in params:
+            key, sep, raw = item.partition("=")
+            if not sep or not key.strip():
+                raise RecipeError(f"--param takes key=value (got '{item}')")
+            parameters[key.strip().replace("-", "_")] = _param_text(raw)
+        if common_frac is not None:
+            parameters["common_frac"] = common_frac  # text from the CLI: checked (and typed) like any parameter
+        data["parameters"] = parameters
+    elif parameters is None:
+        data.pop("parameters", None)  # mergekit writes `parameters:` with nothing under it for "none"
+    # anything else (a list, a string) is left for the schema, which names `parameters` beside every other problem
     if alpha is not None:
         data["alpha"] = alpha  # a number or 'auto'; checked with the config like every other value
     if eval_data:
@@ -714,6 +719,6 @@ def _param_text(raw: str) -> Any:
     """`--param` values are YAML scalars (`0.3`, `true`, `[{filter: mlp, value: 0.5}]`); text YAML cannot
     parse stays a string, and the parameter's own check then says what it should be."""
     try:
-        return yaml.safe_load(raw)
-    except yaml.YAMLError:
+        return load_yaml(raw, "--param value")
+    except InputError:
         return raw

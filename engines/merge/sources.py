@@ -153,12 +153,12 @@ def _readme_base_model(path: Path) -> Optional[str]:
     match = re.match(r"^---\s*\n(.*?)\n---\s*(\n|$)", text, re.S)
     if not match:
         return None
-    import yaml
+    from mlxkit.engines.core.yaml_config import load_yaml
 
     try:
-        front = yaml.safe_load(match.group(1)) or {}
-    except yaml.YAMLError:
-        return None
+        front = load_yaml(match.group(1), f"{readme} front matter") or {}
+    except InputError:
+        return None  # a model card's front matter only suggests a base; without it --base is asked for
     base = front.get("base_model") if isinstance(front, dict) else None
     if isinstance(base, list):
         base = base[0] if base else None
