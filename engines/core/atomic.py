@@ -34,6 +34,14 @@ def _temp_prefix(path: Path) -> str:
     return f".{path.name}{TEMP_MARK}"
 
 
+def published_name(path: Path) -> str:
+    """The name a staging directory or file will have once published (its own name otherwise)."""
+    name = path.name
+    if name.startswith(".") and TEMP_MARK in name:
+        return name[1:].split(TEMP_MARK, 1)[0]
+    return name
+
+
 def _own_temp_prefix(path: Path) -> str:
     return f"{_temp_prefix(path)}{os.getpid()}.{host_tag()}-"
 

@@ -73,9 +73,16 @@ class Manifest:
             "platform": platform.platform(),
         }
 
-    def write(self, directory: str | os.PathLike) -> Path:
+    def write(self, directory: str | os.PathLike, *, card: bool = True) -> Path:
+        """The manifest, and beside it (unless `card` is False) the model card generated from it when the
+        directory holds a model."""
+        from mlxkit.engines.core.model_card import write_model_card
+
         path = Path(directory) / MANIFEST_NAME
-        atomic_write_text(path, json.dumps(self.to_dict(), indent=2, default=_jsonable) + "\n")
+        data = json.loads(json.dumps(self.to_dict(), default=_jsonable))
+        atomic_write_text(path, json.dumps(data, indent=2) + "\n")
+        if card:
+            write_model_card(Path(directory), data)
         return path
 
 

@@ -316,7 +316,7 @@ class CrtRun(TrainingRun):
             save_classifier_files(self.model, tmp)
             manifest.results = {**summary, "log": LOG_NAME}
             shutil.copyfile(self.work / LOG_NAME, tmp / LOG_NAME)
-            manifest.write(tmp)
+            manifest.write(tmp, card=False)  # a classifier of arrays, not a model the Hub's card fields describe
         shutil.rmtree(self.work, ignore_errors=True)
         return self.out
 
