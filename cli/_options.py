@@ -172,3 +172,48 @@ def flags_and_overrides(flags: dict[str, tuple[str, Any]], pairs: list[str], set
             raise fail(f"{flag} and {set_flag} {key}= both set {key}; give one of them")
         settings[key] = value
     return {**settings, **overrides}
+
+
+@dataclass(frozen=True)
+class ModeOptions:
+    """Which of a verb's options each of its modes reads, so an option a mode would drop is refused.
+
+    `common` are the parameters (Python names) every mode reads; `modes` maps a mode's label (as the
+    user selects it: `--bld`, `--recipe crt`) to the parameters it reads beyond those. Only options
+    the user set (on the command line or through an environment variable) are refused: a default
+    means "not given", which `ctx.get_parameter_source` tells apart from a typed value equal to it.
+    """
+
+    verb: str
+    common: frozenset[str]
+    modes: dict[str, frozenset[str]]
+
+    def check(self, ctx: typer.Context, mode: str, also: Iterable[str] = ()) -> None:
+        """Refuse (exit 2, one line naming the flag and the mode) every set option `mode` does not read.
+
+        `ctx` is the command's context (a `typer.Context` parameter of the command); `also` adds
+        parameters this run reads on top of the mode's (a choice made by another flag).
+        """
+        read = self.common | self.modes[mode] | frozenset(also)
+        unread = [p.name for p in ctx.command.params if p.name not in read]
+        for name, flag in given_options(ctx, unread):
+            users = [other for other, names in self.modes.items() if other != mode and name in names]
+            where = f"; it is for {' and '.join(f'{self.verb} {u}' for u in users)}" if users else ""
+            raise fail(f"{flag} means nothing for {self.verb} {mode}, which would ignore it{where}")
+
+
+def given_options(ctx: typer.Context, names: Iterable[str]) -> list[tuple[str, str]]:
+    """(parameter name, flag) of each option among `names` that the user set, in the command's order.
+
+    Set means typed on the command line or given through an environment variable; an option left
+    at its default is not set, even when a typed value would equal the default.
+    """
+    wanted = set(names)
+    given = []
+    for param in ctx.command.params:
+        if param.param_type_name != "option" or param.name not in wanted:
+            continue
+        source = ctx.get_parameter_source(param.name)
+        if source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT"):
+            given.append((param.name, next((o for o in param.opts if o.startswith("--")), param.opts[0])))
+    return given

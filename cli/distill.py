@@ -11,11 +11,20 @@ from rich.table import Table
 from mlxkit.cli._errors import fail, guarded
 from mlxkit.cli._options import (AllowPickleOpt, DataOpt, DeviceOpt, DtypeOpt, JsonOpt, Output, OverwriteOpt,
                                  QuietOpt, RecipeOpt, SaveDtypeOpt, SeedOpt, SetOpt, ShardingOpt, TextFieldOpt,
-                                 VerboseOpt, check_placement, claimed_output, console)
+                                 VerboseOpt, ModeOptions, check_placement, claimed_output, console)
+
+
+_MODES = ModeOptions("distill", common=frozenset({"out", "bld", "gkd", "kd", "data", "recipe", "text_field", "device",
+                                                 "dtype", "save_dtype", "seed", "allow_pickle", "json_out", "quiet",
+                                                 "verbose"}),
+                     modes={"--bld": frozenset({"model", "score_only", "no_score", "init_only", "keep_activations"}),
+                            "--gkd": frozenset({"teacher", "student", "tokens", "overrides", "overwrite", "sharding"}),
+                            "--kd": frozenset({"teacher", "student", "tokens", "overrides", "overwrite", "sharding"})})
 
 
 @guarded
 def distill_command(
+    ctx: typer.Context,
     out: Annotated[Path, typer.Option("--out", "-o", help="Library directory (--bld) or distilled model (--gkd/--kd); "
                                       "an unfinished run there is resumed.")],
     bld: Annotated[bool, typer.Option("--bld", help="Blockwise local distillation of the block library. The parent "
@@ -56,10 +65,9 @@ def distill_command(
 
     if bld + gkd + kd != 1:
         raise fail("choose one distillation mode: --bld (block library), --gkd (global distillation) or --kd")
+    _MODES.check(ctx, "--bld" if bld else "--gkd" if gkd else "--kd")
     check_placement(device, dtype, save_dtype)
     output = Output(json_out, quiet, verbose)
-    if (gkd or kd) and keep_activations:
-        raise fail("--keep-activations keeps a block library's activation cache; it needs --bld")
     if gkd or kd:
         from mlxkit.cli.distill_global import run_global_distillation
 

@@ -7,13 +7,14 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from mlxkit.cli._errors import guarded
+from mlxkit.cli._errors import fail, guarded
 from mlxkit.cli._options import (AllowPickleOpt, DataOpt, DeviceOpt, DtypeOpt, JsonOpt, Output, QuietOpt, SeedOpt,
-                                 TextFieldOpt, VerboseOpt, check_placement, console)
+                                 TextFieldOpt, VerboseOpt, check_placement, console, given_options)
 
 
 @guarded
 def eval_command(
+    ctx: typer.Context,
     model: Annotated[str, typer.Argument(help="Model: HF directory, .gguf file, hub id, or 'smollm2-135m'.")],
     data: DataOpt = None,
     reference: Annotated[Optional[str], typer.Option("--reference", help="Reference model for KL and top-1 agreement.")] = None,
@@ -31,6 +32,9 @@ def eval_command(
 ) -> None:
     from mlxkit.engines.eval.runner import run_eval
 
+    # --seed seeds the text sampled when no --data is given; --text-field reads a --data .jsonl
+    for _, flag in given_options(ctx, ("seed",) if data is not None else ("text_field",)):
+        raise fail(f"{flag} means nothing {'with' if data is not None else 'without'} --data, which would ignore it")
     check_placement(device, dtype)
     output = Output(json_out, quiet, verbose)
     result = run_eval(model, data=data, reference=reference, max_tokens=max_tokens, seq_len=seq_len,

@@ -14,13 +14,24 @@ import typer
 from mlxkit.cli._errors import fail, guarded
 from mlxkit.cli._options import (AllowPickleOpt, DeviceOpt, DtypeOpt, JsonOpt, Output, OverwriteOpt, QuietOpt,
                                  SaveDtypeOpt, SeedOpt, ShardingOpt, TextFieldOpt, VerboseOpt, check_placement,
-                                 claimed_output, console, flags_and_overrides, set_option)
+                                 ModeOptions, claimed_output, console, flags_and_overrides, set_option)
 
 SetOpt = set_option(help="Override any recipe field, key=value (repeatable), e.g. --set htuning.mix_coef=0.9.")
 
 
+# crt trains a classifier in float32 on .npz arrays: it reads no text field, dtype, save dtype, sharding or pickle
+_LM = "--recipe htuning|lora|full"
+_MODES = ModeOptions("finetune", common=frozenset({"out", "data", "recipe", "model", "steps", "batch", "lr", "eval_data",
+                                                  "overrides", "device", "seed", "overwrite", "json_out", "quiet",
+                                                  "verbose"}),
+                     modes={_LM: frozenset({"objective", "merge", "text_field", "dtype", "save_dtype", "sharding",
+                                            "allow_pickle"}),
+                            "--recipe crt": frozenset({"attacks", "new_attack"})})
+
+
 @guarded
 def finetune_command(
+    ctx: typer.Context,
     out: Annotated[Path, typer.Option("--out", "-o", help="Output: a peft adapter directory (htuning, lora), a "
                                       "whole checkpoint (full, --merge) or a classifier directory (crt); an "
                                       "unfinished run there is resumed.")],
@@ -71,9 +82,8 @@ def finetune_command(
     output = Output(json_out, quiet, verbose)
     placement = {"device": device, "dtype": dtype, "save_dtype": save_dtype}
     base = load_finetune_recipe(recipe)
+    _MODES.check(ctx, "--recipe crt" if isinstance(base, CrtRecipe) else _LM)
     if isinstance(base, CrtRecipe):
-        if merge or objective is not None:
-            raise fail("--merge and --objective are for language-model recipes, not crt")
         phase = "train" if new_attack is None else "finetune"
         crt_flags = {f"{phase}.steps": ("--steps", steps), "optim.batch_size": ("--batch", batch),
                      f"{phase}.lr": ("--lr", lr)}
@@ -81,8 +91,6 @@ def finetune_command(
             _crt(base.with_overrides(flags_and_overrides(crt_flags, overrides)), model, data, out, attacks,
                  new_attack, eval_data, seed, overwrite, placement, output)
         return
-    if attacks is not None or new_attack is not None:
-        raise fail("--attacks and --new-attack belong to --recipe crt")
     flags = {"schedule.steps": ("--steps", steps), "optim.batch_sequences": ("--batch", batch), "optim.lr": ("--lr", lr),
              "objective": ("--objective", objective)}
     loaded = base.with_overrides(flags_and_overrides(flags, overrides))

@@ -15,7 +15,7 @@ from rich.table import Table
 from mlxkit.cli._errors import fail, guarded
 from mlxkit.cli._options import (DeviceOpt, JsonOpt, Output, OverwriteOpt, QuietOpt, RecipeOpt, TextFieldOpt,
                                  VerboseOpt, canonical_dtype, check_pairs, check_placement, claimed_output, console,
-                                 set_option)
+                                 given_options, set_option)
 from mlxkit.engines.core.sizes import SIZE_HELP
 from mlxkit.engines.merge.params import ALPHA
 
@@ -26,6 +26,7 @@ ParamOpt = set_option("--param", help="Method parameter key=value (repeatable), 
 
 @guarded
 def merge_command(
+    ctx: typer.Context,
     models: Annotated[Optional[list[str]], typer.Argument(help="Fine-tuned models: HF dirs, hub ids or LoRA adapter dirs.")] = None,
     base: Annotated[Optional[str], Opt("--base", help="Base model (inferred from adapters / model cards if omitted).")] = None,
     out: Annotated[Optional[Path], Opt("--out", "-o", "--output", help="Output directory (--output is the older spelling).")] = None,
@@ -72,6 +73,8 @@ def merge_command(
                                  text_field=None if text_field == "text" else text_field,
                                  calibration_tokens=calibration_tokens, tokenizer=tokenizer)
     sources = [entry.model for entry in config.input_entries()] + [config.base_model, *config.eval_data, config.data]
+    for _, flag in given_options(ctx, ("check", "no_check", "overwrite") if dry_run else ()):
+        raise fail(f"{flag} means nothing with --dry-run, which reads no weights and writes nothing")
     if check is not None and no_check:
         raise fail("--check gives the check's text and --no-check skips the check: pass one of them")
     if check is not None:

@@ -10,15 +10,29 @@ import typer
 from mlxkit.cli._errors import fail, guarded
 from mlxkit.cli._options import (AllowPickleOpt, DataOpt, DeviceOpt, DtypeOpt, JsonOpt, Output, OverwriteOpt,
                                  QuietOpt, RecipeOpt, SaveDtypeOpt, SeedOpt, ShardingOpt, VerboseOpt, check_placement,
-                                 claimed_output, console, flags_and_overrides, set_option)
+                                 ModeOptions, claimed_output, console, flags_and_overrides, given_options,
+                                 set_option)
 from mlxkit.engines.core.sizes import SIZE_HELP
 
 GkdSetOpt = set_option("--gkd-set", help="Override a field of the GKD recipe (--gkd-recipe), key=value "
                                          "(repeatable), e.g. --set optim.lr=3e-4; --gkd-set is the older spelling.")
 
 
+_SEARCH = frozenset({"out", "throughput", "memory", "latency", "params", "library", "costs", "metric", "solutions",
+                     "min_distance", "batch_sweep", "write_costs", "write_lp", "refine", "dry_run", "gkd_tokens",
+                     "gkd_recipe", "gkd_set", "export", "export_dtype", "data", "device", "dtype", "save_dtype",
+                     "sharding", "seed", "overwrite", "allow_pickle"})
+_MODES = ModeOptions("search", common=frozenset({"target", "model", "scenario", "recipe", "engine", "costs_only",
+                                                "json_out", "quiet", "verbose"}),
+                     modes={"--costs-only": frozenset(), "without --costs-only": _SEARCH})
+# GKD of the saved child is the only stage that reads these; --out and --overwrite name a child --dry-run never saves
+_GKD_ONLY = ("gkd_recipe", "gkd_set", "sharding")
+_SAVED_ONLY = ("out", "overwrite")
+
+
 @guarded
 def search_command(
+    ctx: typer.Context,
     target: Annotated[str, typer.Option("--target", "-t", help="Hardware profile name (h100, h200, a100-80gb, l40s, cpu, ...) or YAML path.")] = "h100",
     model: Annotated[str, typer.Option("--model", "-m", help="Parent model.")] = "smollm2-135m",
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Where to save the child checkpoint. Default: ./puzzle-child-TARGET.")] = None,
@@ -66,9 +80,8 @@ def search_command(
     reporter = output.reporter
     if costs not in ("profile", "library"):
         raise fail(f"--costs must be 'profile' or 'library' (got '{costs}')")
+    _MODES.check(ctx, "--costs-only" if costs_only else "without --costs-only")
     if costs_only:
-        if write_costs or write_lp:
-            raise fail("--write-costs and --write-lp price a library; --costs-only prints its table (use --json)")
         report = price_only(model, target, scenario, recipe or "quick", reporter, engine=engine)
         output.emit(report, lambda r: render_costs(r, console))
         return
@@ -77,6 +90,11 @@ def search_command(
         raise fail("--export-dtype sets the dtype of the exported child; it needs --export")
     if gkd_tokens and dry_run:
         raise fail("--gkd-tokens trains the saved child; it cannot be combined with --dry-run")
+    for name, flag in given_options(ctx, _GKD_ONLY if gkd_tokens is None else ()):
+        raise fail(f"{flag} means nothing without --gkd-tokens, which would ignore it (it sets how the saved child "
+                   "is distilled)")
+    for name, flag in given_options(ctx, _SAVED_ONLY if dry_run else ()):
+        raise fail(f"{flag} means nothing with --dry-run, which saves no child and would ignore it")
     try:
         sweep = tuple(int(b) for b in batch_sweep.split(",")) if batch_sweep else ()
     except ValueError:

@@ -9,12 +9,21 @@ import typer
 from rich.table import Table
 
 from mlxkit.cli._errors import guarded
-from mlxkit.cli._options import (JsonOpt, Output, OverwriteOpt, QuietOpt, VerboseOpt, check_placement, claimed_output,
-                                 console)
+from mlxkit.cli._options import (JsonOpt, ModeOptions, Output, OverwriteOpt, QuietOpt, VerboseOpt, check_placement,
+                                 claimed_output, console)
+
+
+# The sparse direct solvers factorise the matrix as given, in float64, on the CPU. With --method auto the
+# choice is made after reading the system, so those runs say what they ignored in a notice instead.
+_SPARSE = "--method superlu|pardiso"
+_MODES = ModeOptions("solve", common=frozenset({"rhs", "method", "nullspace", "refine", "out", "overwrite", "json_out",
+                                               "quiet", "verbose"}),
+                     modes={"--method auto|ssi": frozenset({"grid", "dtype", "leaf", "device"}), _SPARSE: frozenset()})
 
 
 @guarded
 def solve_command(
+    ctx: typer.Context,
     file: Annotated[Path, typer.Argument(help="System: .npz (scipy save_npz + optional keys b, grid_shape; or "
                                               "stencil form: key 'stencil' [H,W,3,3] and b) or .mtx with --rhs.")],
     rhs: Annotated[Optional[Path], typer.Option("--rhs", help="Right-hand side (.npy, .npz, .mtx, .txt).")] = None,
@@ -45,6 +54,7 @@ def solve_command(
 ) -> None:
     from mlxkit.engines.solve.runner import run_solve
 
+    _MODES.check(ctx, _SPARSE if method in ("superlu", "pardiso") else "--method auto|ssi")
     check_placement(device, dtype=None)
     output = Output(json_out, quiet, verbose)
     with claimed_output(out, kind="file", inputs=[file, rhs]):

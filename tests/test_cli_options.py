@@ -76,7 +76,7 @@ def _capture(monkeypatch, module: str, name: str, result: dict) -> list:
 def test_search_set_and_gkd_set_are_one_option(monkeypatch, tmp_path):
     seen = _capture(monkeypatch, "mlxkit.engines.puzzle.search.run", "run_search", {"ok": True})
     result = runner.invoke(app, ["search", "--target", "cpu", "--out", str(tmp_path / "c"), "--gkd-set",
-                                 "optim.lr=0.001", "--set", "data.seq_len=32", "--device", "cpu", "--dtype",
+                                 "optim.lr=0.001", "--set", "data.seq_len=32", "--gkd-tokens", "64", "--device", "cpu", "--dtype",
                                  "bfloat16", "--save-dtype", "float16", "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout) == {"ok": True}

@@ -185,4 +185,4 @@ def test_new_attack_already_trained_is_refused(files):
 def test_language_model_recipes_refuse_crt_options(files):
     result = runner.invoke(app, ["finetune", "--recipe", "lora", "--data", str(files["train"]), "--attacks", "linf",
                                  "--out", str(files["root"] / "out")])
-    assert result.exit_code != 0 and "belong to --recipe crt" in result.output
+    assert result.exit_code == 2 and "it is for finetune --recipe crt" in result.output

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from pathlib import Path
 
 import torch
 
@@ -81,7 +82,7 @@ def sample_tokens(model, tokenizer, *, n_sequences: int, seq_len: int, seed: int
     key = (f"v{SAMPLING_VERSION}-{weights_fingerprint(model)}-{device.type}-{str(dtype).removeprefix('torch.')}"
            f"-row{row_len}-s{seed}-t{temperature}")
     path = cache_dir() / "calibration" / f"{key}.pt"
-    pool = torch.load(path, weights_only=True) if path.exists() else torch.empty(0, row_len, dtype=torch.long)
+    pool = _cached_pool(path, row_len, model.config.vocab_size, reporter)
     what = f"{n_sequences} x {seq_len} calibration tokens"
     if pool.shape[0] >= rows_needed:
         reporter.notice(f"calibration data: {what} sampled from the model (seed {seed}, temperature {temperature}; "
@@ -101,6 +102,33 @@ def sample_tokens(model, tokenizer, *, n_sequences: int, seq_len: int, seed: int
                 with atomic_file(path) as tmp:  # after every batch: a killed run keeps what it sampled
                     torch.save(pool, tmp)
     return pool[:rows_needed].reshape(-1)[:n_sequences * seq_len].reshape(n_sequences, seq_len).clone()
+
+
+def _cached_pool(path: Path, row_len: int, vocab_size: int, reporter: Reporter) -> torch.Tensor:
+    """The sampled rows cached at `path`, or none when there is no cache or it is not what this code wrote.
+
+    The cache is derived data, so an unreadable one (cut short, overwritten, another shape, token ids
+    outside the vocabulary) is dropped with a notice and sampled again rather than failing the run
+    or feeding wrong ids to it.
+    """
+    empty = torch.empty(0, row_len, dtype=torch.long)
+    if not path.exists():
+        return empty
+    try:
+        pool = torch.load(path, weights_only=True)
+        problem = None
+    except Exception as exc:  # torch.load fails in many types on a damaged file; all mean "unreadable"
+        pool, problem = None, " ".join(str(exc).split())[:120] or type(exc).__name__
+    if problem is None and not (isinstance(pool, torch.Tensor) and pool.dtype == torch.long and pool.ndim == 2
+                                and pool.shape[1] == row_len):
+        problem = "not a table of token ids of this row length"
+    elif problem is None and pool.numel() and not (0 <= int(pool.min()) and int(pool.max()) < vocab_size):
+        problem = f"token ids outside the vocabulary of {vocab_size}"
+    if problem is None:
+        return pool
+    reporter.notice(f"the cached calibration tokens at {path} are unreadable ({problem}); sampling them again")
+    path.unlink(missing_ok=True)
+    return empty
 
 
 class _CountTokens:

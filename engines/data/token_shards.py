@@ -35,7 +35,7 @@ import shutil
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -314,7 +314,8 @@ def _check_seq_len(seq_len: int) -> None:
 # ------------------------------------------------------------------------------------------- build
 def build_token_shards(source: str | os.PathLike, tokenizer, root: str | os.PathLike, *, text_field: str = "text",
                        max_tokens: int | None = None, shard_tokens: int = DEFAULT_SHARD_TOKENS,
-                       piece_chars: int = PIECE_CHARS, batch_chars: int = DEFAULT_BATCH_CHARS) -> TokenShards:
+                       piece_chars: int = PIECE_CHARS, batch_chars: int = DEFAULT_BATCH_CHARS,
+                       notice: Callable[[str], None] | None = None) -> TokenShards:
     """Tokenise `source` (a .txt, a .jsonl or a directory of .txt) into shards under `root`, once.
 
     Returns the shards of the first `max_tokens` ids (all of them when None): the ids
@@ -325,6 +326,9 @@ def build_token_shards(source: str | os.PathLike, tokenizer, root: str | os.Path
 
     `piece_chars` other than `text.PIECE_CHARS` moves the cuts inside long documents and so may
     change the ids next to a cut; `shard_tokens` and `batch_chars` change only file sizes and memory.
+
+    A finished build is re-hashed before it is reused: one whose manifest or shards were damaged
+    since is removed and tokenised again, and `notice` (when given) is told why.
     """
     path = check_data_path(source)
     if max_tokens is not None and max_tokens < 1:
@@ -344,7 +348,7 @@ def build_token_shards(source: str | os.PathLike, tokenizer, root: str | os.Path
     root.mkdir(parents=True, exist_ok=True)
     final, partial = root / key, root / f"{key}.partial"
     with _locked(root / f"{key}.lock"):
-        done = ShardManifest.read(final / MANIFEST) if (final / MANIFEST).is_file() else None
+        done = _intact(final, notice)
         if done is not None and (done.complete or (max_tokens is not None and done.total_tokens >= max_tokens)):
             return TokenShards(final, limit=max_tokens)
         fresh = ShardManifest(key, source_info, identity, dtype.name, piece_chars)
@@ -363,6 +367,22 @@ def build_token_shards(source: str | os.PathLike, tokenizer, root: str | os.Path
             atomic_write_json(tmp / MANIFEST, progress.to_dict())
         shutil.rmtree(partial, ignore_errors=True)
     return TokenShards(final, limit=max_tokens)
+
+
+def _intact(final: Path, notice: Callable[[str], None] | None) -> ShardManifest | None:
+    """The manifest of the finished build at `final` when it and every shard hash check; otherwise None,
+    with a damaged build removed (it is derived data, made again from the source)."""
+    if not final.exists():
+        return None
+    try:
+        TokenShards(final).verify()
+        return ShardManifest.read(final / MANIFEST)
+    except (InputError, OSError, ValueError) as exc:
+        if notice is not None:
+            notice(f"the cached token shards at {final} are damaged ({str(exc).splitlines()[0][:160]}); "
+                   "tokenising the data again")
+        shutil.rmtree(final, ignore_errors=True)
+        return None
 
 
 @contextlib.contextmanager

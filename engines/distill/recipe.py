@@ -15,7 +15,7 @@ RECIPE_PACKAGE = "mlxkit.recipes.distill"
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class LossSpec(_Strict):

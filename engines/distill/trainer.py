@@ -300,7 +300,8 @@ class DistillationRun(TrainingRun):
         reference = self.work / "tokens.json"
         if self.dist.is_main and not reference.exists():
             shards = build_token_shards(self.options.data, self.tokenizer, default_shard_root(),
-                                        text_field=self.options.text_field, max_tokens=limit)
+                                        text_field=self.options.text_field, max_tokens=limit,
+                                        notice=self.reporter.notice)
             atomic_write_json(reference, {"shards": str(shards.path), "limit": limit})
         self.dist.barrier()
         recorded = json.loads(reference.read_text())

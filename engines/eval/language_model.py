@@ -5,13 +5,14 @@ The metrics themselves (and which positions they cover) are defined once in `met
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass
 
 import torch
 
 from mlxkit.engines.core.progress import Reporter
-from mlxkit.engines.errors import InputError
+from mlxkit.engines.errors import NonFiniteError
 from mlxkit.engines.eval.metrics import TokenMetrics
 from mlxkit.engines.training.device import module_device
 
@@ -46,8 +47,8 @@ def evaluate(model, blocks: torch.Tensor, reference=None, reporter: Reporter | N
     Each batch of `blocks` is moved to the model's device; the models may be held in a low-precision
     dtype, while log-softmax, NLL and KL are computed in float32 (`metrics.TokenMetrics`).
 
-    Raises `InputError` when the model's outputs are not finite (NaN weights, overflow):
-    a perplexity of NaN is not a result. tokens/s counts the evaluated model's forward passes only.
+    Raises `NonFiniteError` when the model's outputs are not finite (NaN weights, overflow) or
+    the perplexity overflows: a perplexity of NaN or infinity is not a result. tokens/s counts the evaluated model's forward passes only.
     """
     reporter = reporter or Reporter()
     n, seq_len = blocks.shape
@@ -68,8 +69,11 @@ def evaluate(model, blocks: torch.Tensor, reference=None, reporter: Reporter | N
             metrics.update(logits, ids, reference_logits)
             task.advance()
             task.update(ppl=metrics.perplexity)
-    if not all(v == v and abs(v) != float("inf") for v in (metrics.nll, metrics.kl_div or 0.0)):
-        raise InputError("the model's outputs are not finite on this data (NaN or infinite weights?)")
+    if not all(math.isfinite(v) for v in (metrics.nll, metrics.kl_div or 0.0)):
+        raise NonFiniteError("the model's outputs are not finite on this data (NaN or infinite weights?)")
+    if not math.isfinite(metrics.perplexity):
+        raise NonFiniteError(f"the perplexity is beyond float64's range: the mean NLL is {metrics.nll:.1f} nats per "
+                             "token (exp overflows past 709.8); the model's logits are far out of scale")
     return EvalResult(
         perplexity=metrics.perplexity, nll=metrics.nll, tokens=metrics.positions,
         tokens_per_s=blocks.numel() / max(model_seconds, 1e-9), seconds=model_seconds, sequences=n, seq_len=seq_len,

@@ -76,7 +76,11 @@ class TokenMetrics:
 
     @property
     def perplexity(self) -> float:
-        return math.exp(self.nll)
+        """exp(nll); infinite past float64's range (nll above about 709.8), where `math.exp` raises."""
+        try:
+            return math.exp(self.nll)
+        except OverflowError:
+            return math.inf
 
     @property
     def kl_div(self) -> float | None:

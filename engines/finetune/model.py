@@ -154,9 +154,18 @@ def save_outputs(model: FinetuneModel, peft_model: Any, tokenizer, directory: Pa
     model is cast in place); returns the format written."""
     from mlxkit.engines.models.saving import save_model_files
 
+    from mlxkit.engines.core.finite import first_non_finite
+    from mlxkit.engines.errors import NonFiniteError
+
     if dtype is not None:
         model.to(dtype)
         model.lm.config.dtype = dtype
+    # the adapter and the head are written by peft and safetensors directly, so checked here (after the cast)
+    trained = [*(peft_model or model.lm).state_dict().items(),
+               *(model.classifier.state_dict().items() if model.classifier is not None else [])]
+    bad = first_non_finite(trained)
+    if bad is not None:
+        raise NonFiniteError(f"the trained weights have NaN or infinite values in '{bad}'; nothing was written")
 
     if peft_model is None:
         save_model_files(model.lm, tokenizer, directory)

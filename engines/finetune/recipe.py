@@ -24,7 +24,7 @@ Objective = Literal["causal_lm", "classification"]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class LoraSpec(_Strict):

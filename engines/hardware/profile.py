@@ -21,6 +21,7 @@ True
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from importlib import resources
 from pathlib import Path
@@ -51,7 +52,7 @@ _COMPUTE_FALLBACK: dict[str, tuple[str, ...]] = {
 class Efficiency(BaseModel):
     """Fractions of peak reached in practice (fitted by `mlx calibrate`, or assumed)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     matmul: float = Field(gt=0, le=1.5, description="dense matmul FLOP/s as a fraction of peak")
     memory: float = Field(gt=0, le=1.5, description="streaming bandwidth as a fraction of peak")
@@ -85,7 +86,7 @@ class HardwareProfile(BaseModel):
     sources : where each number comes from, keyed like the fields.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     name: str
     description: str = ""
@@ -103,6 +104,15 @@ class HardwareProfile(BaseModel):
     engine: str | None = None
     sources: dict[str, str]
     calibration: dict[str, Any] | None = None
+
+    @field_validator("calibration")
+    @classmethod
+    def _finite_calibration(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        # free-form (what calibrate measured), so the model's allow_inf_nan does not reach inside it
+        for key, entry in (value or {}).items():
+            if isinstance(entry, float) and not math.isfinite(entry):
+                raise ValueError(f"calibration.{key} must be a finite number (got {entry})")
+        return value
 
     @field_validator("peak_tflops")
     @classmethod

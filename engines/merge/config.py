@@ -369,6 +369,12 @@ class MergeConfig(BaseModel):
             data_aware = ", ".join(name for name, m in registry.METHODS.items() if m.statistics is not None)
             problems.add(("data",), f"data is calibration text for the data-aware methods ({data_aware}), "
                                     f"not '{method.name}'")
+        if self.data is None:
+            # the settings of calibration without its text: a merge that would run without reading them. A
+            # default is let through, as the merge.yaml saved with every output spells each one out.
+            for key in ("calibration_tokens", "calibration_seq_len", "text_field"):
+                if getattr(self, key) != type(self).model_fields[key].default:
+                    problems.add((key,), f"{key} sets how the calibration text (data) is read; this merge has none")
         problems.raise_if_any()
         return self
 

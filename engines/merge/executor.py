@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 
 import torch
 
+from mlxkit.engines.core.finite import all_finite
 from mlxkit.engines.core.progress import Reporter
-from mlxkit.engines.errors import InputError
+from mlxkit.engines.errors import NonFiniteError
 from mlxkit.engines.io.tensor_writer import TensorWriter
 from mlxkit.engines.merge.methods.base import MergeMethod, TensorJob
 from mlxkit.engines.merge.plan import MergePlan, TensorTask
@@ -24,18 +25,10 @@ if TYPE_CHECKING:
     from mlxkit.engines.merge.statistics import ModelStatistics
 
 
-class NonFiniteTensorError(InputError):
+class NonFiniteTensorError(NonFiniteError):
     """A merged tensor holds NaN or infinity. It is refused, never written: a checkpoint with one
     non-finite weight produces NaN logits for every token."""
 
-
-def all_finite(tensor: torch.Tensor) -> bool:
-    """True when no entry is NaN or ±inf (non-float tensors always are)."""
-    if not tensor.is_floating_point():
-        return True
-    # One float32 sum is the fast test: a NaN or infinity anywhere makes it non-finite. A sum can also
-    # overflow on large finite entries, so only a non-finite sum pays for the exact element-wise test.
-    return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
 
 
 def combine(plan: MergePlan, method: MergeMethod, inputs: list[MergeInput], base: Optional[MergeInput],

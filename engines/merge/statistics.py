@@ -34,7 +34,7 @@ from mlxkit.engines.core.atomic import atomic_file
 from mlxkit.engines.core.paths import cache_dir
 from mlxkit.engines.core.progress import Reporter, TaskHandle
 from mlxkit.engines.data.text import pack, read_texts, tokenize
-from mlxkit.engines.errors import InputError, NonFiniteError
+from mlxkit.engines.errors import InputError, MlxkitError, NonFiniteError
 from mlxkit.engines.io.lazy_loader import LazyTensorLoader
 from mlxkit.engines.merge.sources import MergeInput
 
@@ -208,23 +208,46 @@ def gather_statistics(kind: StatisticsKind, inputs: list[MergeInput], blocks: li
     for inp, ids in zip(inputs, blocks, strict=True):
         key = _cache_key(inp, kind, ids)
         path = _path_for(key)
-        if path.exists():
+        cached = _cached(path, kind, skip, reporter)
+        if cached is not None:
             reporter.notice(f"calibration statistics ({kind}) of {inp.spec}: reusing {path}")
-        else:
-            model = load_model(str(inp.path), device=device, with_tokenizer=False, reporter=reporter).model
-            try:
-                with reporter.task(f"{kind} statistics of {inp.spec}", total=ids.numel()) as task:
-                    tensors = _compute(kind, model, ids, device, task)
-            except NonFiniteError as exc:
-                raise NonFiniteError(f"model '{inp.spec}': {exc}") from None
-            finally:
-                del model
-                gc.collect()
-            _write(path, tensors, key, inp.spec)
-            reporter.notice(f"calibration statistics ({kind}) of {inp.spec}: {ids.numel()} tokens, "
-                            f"stored at {path}")
+            stored.append(cached)
+            continue
+        model = load_model(str(inp.path), device=device, with_tokenizer=False, reporter=reporter).model
+        try:
+            with reporter.task(f"{kind} statistics of {inp.spec}", total=ids.numel()) as task:
+                tensors = _compute(kind, model, ids, device, task)
+        except NonFiniteError as exc:
+            raise NonFiniteError(f"model '{inp.spec}': {exc}") from None
+        finally:
+            del model
+            gc.collect()
+        _write(path, tensors, key, inp.spec)
+        reporter.notice(f"calibration statistics ({kind}) of {inp.spec}: {ids.numel()} tokens, "
+                        f"stored at {path}")
         stored.append(ModelStatistics(path, kind, skip))
     return stored
+
+
+def _cached(path: Path, kind: StatisticsKind, skip: Optional[re.Pattern],
+            reporter: Reporter) -> Optional[ModelStatistics]:
+    """The statistics cached at `path`, or None when there are none or they cannot be read.
+
+    They are derived data: a damaged file (cut short, a broken header, no tensors of this kind) is
+    removed with a notice and computed again.
+    """
+    if not path.exists():
+        return None
+    try:
+        stored = ModelStatistics(path, kind, skip)
+        if not any(name.startswith(f"{kind}/") for name in stored._names):
+            stored.close()
+            raise InputError(f"it holds no {kind} statistics")
+        return stored
+    except MlxkitError as exc:
+        reporter.notice(f"the cached calibration statistics at {path} are unreadable ({exc}); computing them again")
+    path.unlink(missing_ok=True)
+    return None
 
 
 def _method_name(kind: StatisticsKind) -> str:

@@ -218,11 +218,11 @@ def source_dtype(source: ModelSource) -> "torch.dtype":
 
 def check_finite_weights(model, spec: str) -> None:
     """Refuse a model with a NaN or infinite weight: every score or loss computed from it would be NaN."""
-    import torch
+    from mlxkit.engines.core.finite import first_non_finite
 
-    for name, tensor in model.state_dict().items():
-        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-            raise NonFiniteError(f"model '{spec}' has NaN or infinite values in '{name}'")
+    name = first_non_finite(model.state_dict().items())
+    if name is not None:
+        raise NonFiniteError(f"model '{spec}' has NaN or infinite values in '{name}'")
 
 
 def check_finite_files(directory: Path, spec: str) -> None:

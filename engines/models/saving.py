@@ -19,6 +19,13 @@ def save_model_files(model, tokenizer, directory: str | os.PathLike, max_shard_s
     """
     import json
 
+    from mlxkit.engines.core.finite import first_non_finite
+    from mlxkit.engines.errors import NonFiniteError
+
+    # after any cast to the saved dtype: a float32 weight past 65504 is infinite in float16
+    bad = first_non_finite(model.state_dict().items())
+    if bad is not None:
+        raise NonFiniteError(f"the model to be saved has NaN or infinite values in '{bad}'; nothing was written")
     directory = Path(directory)
     config = model.config
     model.save_pretrained(directory, safe_serialization=True, max_shard_size=max_shard_size)

@@ -14,7 +14,7 @@ RECIPE_PACKAGE = "mlxkit.recipes.puzzle"
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class SearchSpaceSpec(_Strict):

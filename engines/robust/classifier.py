@@ -20,8 +20,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from safetensors.torch import load_file, save_file
 
 from mlxkit.engines.core.atomic import atomic_write_json
-from mlxkit.engines.core.yaml_config import read_yaml_mapping, validate_model
-from mlxkit.engines.errors import InputError
+from mlxkit.engines.core.finite import first_non_finite
+from mlxkit.engines.core.yaml_config import read_yaml_mapping, read_yaml_text, validate_model
+from mlxkit.engines.errors import InputError, NonFiniteError
 
 MODEL_TYPE = "mlx_robust_classifier"
 WEIGHTS_NAME = "model.safetensors"
@@ -104,8 +105,8 @@ def read_classifier_config(path: str | os.PathLike) -> ClassifierConfig:
     if path.suffix not in (".json", ".yaml", ".yml"):
         raise InputError(f"model config '{path}' must be a .json or .yaml file (or pass a trained model directory)")
     # JSON is a subset of YAML, so one safe loader reads both.
-    return validate_model(ClassifierConfig, read_yaml_mapping(path.read_text(), f"model config {path}"),
-                          f"model config {path}")
+    origin = f"model config {path}"
+    return validate_model(ClassifierConfig, read_yaml_mapping(read_yaml_text(path, origin), origin), origin)
 
 
 def build_classifier(config: ClassifierConfig, seed: int) -> Classifier:
@@ -127,6 +128,9 @@ def save_classifier_files(model: Classifier, directory: str | os.PathLike) -> No
     """`model.safetensors` and `config.json` into an existing directory (the caller makes it atomic)."""
     directory = Path(directory)
     tensors = {name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()}
+    bad = first_non_finite(tensors.items())
+    if bad is not None:
+        raise NonFiniteError(f"the trained classifier has NaN or infinite values in '{bad}'; nothing was written")
     save_file(tensors, str(directory / WEIGHTS_NAME))
     atomic_write_json(directory / CONFIG_NAME, model.config.model_dump(mode="json"))
 

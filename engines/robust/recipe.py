@@ -18,7 +18,7 @@ from mlxkit.engines.errors import RecipeError
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class AttackSpec(_Strict):

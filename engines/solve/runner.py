@@ -14,7 +14,7 @@ import torch
 from mlxkit.engines.core.atomic import atomic_file
 from mlxkit.engines.core.memory import keep_freed_memory
 from mlxkit.engines.core.progress import Reporter
-from mlxkit.engines.errors import InputError
+from mlxkit.engines.errors import InputError, NonFiniteError
 from mlxkit.engines.solve.grid import (csr_to_stencil, fits_grid, infer_grid, is_symmetric_stencil, stencil_mask,
                                        stencil_to_csr)
 from mlxkit.engines.solve.io import Problem, read_problem
@@ -86,8 +86,26 @@ def _pin(problem: Problem, stencil: np.ndarray | None, notices: list[str]) -> tu
                    grid=problem.grid), None, k
 
 
+def check_finite_solution(x: np.ndarray) -> None:
+    """Refuse a solution with NaN or infinite entries before any residual is computed from it.
+
+    A finite system can still give one: x of a system scaled by 1e-300 with b near 1 passes
+    float64's 1.8e308, and its residual is then NaN, which says nothing about the matrix.
+    """
+    bad = ~np.isfinite(x)
+    if bad.any():
+        finite = np.abs(x[~bad])
+        peak = f"; its finite entries reach {finite.max():.1e}" if finite.size else ""
+        raise NonFiniteError(f"the solution has {int(bad.sum())} NaN or infinite entries of {x.size} (it leaves "
+                             f"float64's range{peak}); rescale the system; nothing was written")
+
+
 def _save(out: Path, x: np.ndarray, report: dict, overwrite: bool) -> None:
-    """Write the npz atomically: it appears whole or not at all."""
+    """Write the npz atomically: it appears whole or not at all; every number in it is finite."""
+    check_finite_solution(x)
+    for key in ("residual", "factor_s", "solve_s"):
+        if not np.isfinite(report[key]):
+            raise NonFiniteError(f"the solve's {key} is {report[key]}; nothing was written")
     out = Path(out)
     if out.exists() and not overwrite:
         raise InputError(f"output '{out}' already exists (pass --overwrite to replace it)")
@@ -189,6 +207,7 @@ def run_solve(path: str | os.PathLike, *, rhs: str | os.PathLike | None = None, 
     else:
         x = solve(problem.b, False)
     solve_s = time.perf_counter() - t0
+    check_finite_solution(x)
     mats = _matrices(original)
     residuals = relative_residuals(mats, x, original.b)
     limit = RESIDUAL_LIMIT[dtype if used == "ssi" else "float64"]

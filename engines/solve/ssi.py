@@ -246,12 +246,17 @@ def _as_stencil(stencil, dtype: torch.dtype, device) -> tuple[torch.Tensor, bool
     if s.ndim not in (4, 5) or s.shape[-2:] != (3, 3):
         raise InputError(f"stencil must have shape [H, W, 3, 3] or [B, H, W, 3, 3], got {list(s.shape)}")
     batched = s.ndim == 5
-    s = (s if batched else s[None]).to(dtype=dtype, device=device)
-    if s.shape[1] < 2 or s.shape[2] < 2:
-        raise InputError(f"SSI needs a grid of at least 2x2 nodes, got {s.shape[1]}x{s.shape[2]}")
-    if not torch.isfinite(s).all():
+    if s.is_floating_point() and not torch.isfinite(s).all():
         raise InputError("stencil has NaN or Inf entries")
-    return s, batched
+    narrowed = (s if batched else s[None]).to(dtype=dtype, device=device)
+    if narrowed.shape[1] < 2 or narrowed.shape[2] < 2:
+        raise InputError(f"SSI needs a grid of at least 2x2 nodes, got {narrowed.shape[1]}x{narrowed.shape[2]}")
+    if not torch.isfinite(narrowed).all():
+        # finite in the file, infinite once cast: a float32 factor of a system scaled by 1e300
+        peak = float(s.abs().max())
+        raise InputError(f"stencil entries reach {peak:.1e}, beyond {str(dtype).removeprefix('torch.')}'s "
+                         f"range ({torch.finfo(dtype).max:.1e}); use --dtype float64 or rescale the system")
+    return narrowed, batched
 
 
 class SSIFactor:

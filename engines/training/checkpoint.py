@@ -14,17 +14,19 @@ loaded back into the model's own tensors, so a checkpoint resumes on the device 
 from __future__ import annotations
 
 import json
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError
 from safetensors.torch import load_model as load_weights
 from safetensors.torch import save_model as save_weights
 
 from mlxkit.engines.core.atomic import atomic_output_dir
-from mlxkit.engines.errors import InputError
+from mlxkit.engines.errors import InputError, NonFiniteError
 
 WEIGHTS = "student.safetensors"
 OPTIMIZER = "optimizer.pt"
@@ -45,6 +47,14 @@ def _trainable(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def save_checkpoint(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     state: TrainingState, *, trainable_only: bool = False) -> None:
+    from mlxkit.engines.core.finite import first_non_finite
+
+    # a checkpoint with a NaN weight would be resumed from: the run that made it stops instead
+    bad = first_non_finite((n, p.detach()) for n, p in model.named_parameters()
+                           if p.requires_grad or not trainable_only)
+    if bad is not None:
+        raise NonFiniteError(f"the weights at step {state.step} have NaN or infinite values in '{bad}'; "
+                             "no checkpoint was written (try a lower learning rate)")
     with atomic_output_dir(directory, overwrite=True) as tmp:
         if trainable_only:
             save_file(_trainable(model), str(tmp / WEIGHTS))
@@ -62,6 +72,9 @@ def load_checkpoint(directory: Path, model: torch.nn.Module, optimizer: torch.op
         return None
     try:
         state = json.loads((directory / STATE).read_text())
+        if not isinstance(state, dict) or not all(isinstance(state.get(k), int) and not isinstance(state.get(k), bool)
+                                                  and state[k] >= 0 for k in ("step", "tokens_seen", "log_lines")):
+            raise ValueError(f"{STATE} does not hold a step, tokens_seen and log_lines")
         if "world_size" in state:  # only sharded checkpoints record it: their weights are split over the ranks
             raise InputError(f"checkpoint '{directory}' was written by {state['world_size']} processes in shards; "
                              "resume it with as many under torchrun, or delete it to start over")
@@ -70,14 +83,17 @@ def load_checkpoint(directory: Path, model: torch.nn.Module, optimizer: torch.op
         else:
             load_weights(model, str(directory / WEIGHTS), strict=True)
         saved = torch.load(directory / OPTIMIZER, weights_only=True, map_location="cpu")
+        if not isinstance(saved, dict) or "optimizer" not in saved:
+            raise ValueError(f"{OPTIMIZER} does not hold an optimizer state")
+        optimizer.load_state_dict(saved["optimizer"])
+        set_rng_state(saved)
     except InputError:
         raise
-    except (OSError, ValueError, RuntimeError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError, RuntimeError, KeyError, TypeError, EOFError, pickle.UnpicklingError,
+            SafetensorError) as exc:
         raise InputError(f"checkpoint '{directory}' cannot be resumed ({str(exc).splitlines()[0][:200]}); "
                          "delete it to start over") from None
-    optimizer.load_state_dict(saved["optimizer"])
-    set_rng_state(saved)
-    return TrainingState(int(state["step"]), int(state["tokens_seen"]), int(state["log_lines"]), state["extra"])
+    return TrainingState(state["step"], state["tokens_seen"], state["log_lines"], state.get("extra") or {})
 
 
 def _load_trainable(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:

@@ -15,7 +15,7 @@ GradientCheckpointing = Union[bool, Literal["auto"]]
 
 
 class OptimSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     lr: float = Field(1e-4, gt=0, le=1, allow_inf_nan=False)
     min_lr_factor: float = Field(0.1, ge=0, le=1)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from mlxkit.engines.core.atomic import atomic_file
@@ -90,6 +90,41 @@ def finished_layers(root: Path, num_layers: int) -> int:
     return done
 
 
+def _holds(path: Path, shapes: dict[str, tuple[int, ...]]) -> bool:
+    """Whether `path` is a whole safetensors file of exactly these tensors and shapes."""
+    try:
+        with safe_open(str(path), framework="pt") as cached:
+            return set(cached.keys()) == set(shapes) and all(
+                tuple(cached.get_slice(name).get_shape()) == shape for name, shape in shapes.items())
+    except (SafetensorError, OSError):
+        return False
+
+
+def _drop_damaged(root: Path, done: int, num_layers: int, train_ids: torch.Tensor, val_ids: torch.Tensor,
+                  hidden: int, reporter: Reporter) -> int:
+    """The leading layers whose cached files are whole and of this run's shapes; the files from the first
+    damaged one on are removed with a notice, so the run computes them again from the layer before.
+
+    The cache is derived from the parent and the calibration tokens alone (the library's run key
+    guards both), so recomputing gives the states the first run had.
+    """
+    shapes = {f"{split}_{where}": (ids.shape[0], ids.shape[1], hidden)
+              for split, ids in (("train", train_ids), ("val", val_ids)) for where in ("in", "mid")}
+    final_shapes = {"train_out": shapes["train_in"], "val_out": shapes["val_in"]}
+    good = next((i for i in range(done) if not _holds(_layer_file(root, i), shapes)), done)
+    final = root / "final.safetensors"
+    final_bad = final.exists() and not _holds(final, final_shapes)
+    if good == done and not final_bad:
+        return done
+    where = _layer_file(root, good) if good < done else final
+    reporter.notice(f"the cached parent activations at {where} are unreadable or of other shapes; "
+                    "computing them again from there")
+    for i in range(good, num_layers):
+        _layer_file(root, i).unlink(missing_ok=True)
+    final.unlink(missing_ok=True)
+    return good
+
+
 @torch.inference_mode()
 def cache_states(parent_model, train_ids: torch.Tensor, val_ids: torch.Tensor, root: Path,
                  reporter: Reporter | None = None, batch_sequences: int = 8, layers=None) -> None:
@@ -110,7 +145,8 @@ def cache_states(parent_model, train_ids: torch.Tensor, val_ids: torch.Tensor, r
     reporter = reporter or Reporter()
     layers = layers if layers is not None else ResidentParent(parent_model)
     num_layers = parent_model.config.num_hidden_layers
-    done = finished_layers(root, num_layers)
+    done = _drop_damaged(root, finished_layers(root, num_layers), num_layers, train_ids, val_ids,
+                         parent_model.config.hidden_size, reporter)
     # final.safetensors is written last, so it marks a complete cache.
     if done == num_layers and (root / "final.safetensors").exists():
         return

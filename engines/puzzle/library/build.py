@@ -291,6 +291,10 @@ def _calibration_tokens(options: DistillOptions, layers: StreamedParent | Reside
                         reporter: Reporter) -> tuple[torch.Tensor, torch.Tensor]:
     path = library.work / "tokens.pt"
     spec = options.recipe.data
+    if dist.is_main and path.exists() and _read_tokens(path, spec.seq_len) is None:
+        # made from --data and the seed alone, so made again the same; the run key guards the settings
+        reporter.notice(f"the cached calibration tokens at {path} are unreadable; making them again")
+        path.unlink()
     if dist.is_main and not path.exists():
         n_total = spec.train_sequences + spec.score_sequences
         if options.data is not None:
@@ -319,8 +323,25 @@ def _calibration_tokens(options: DistillOptions, layers: StreamedParent | Reside
         with atomic_file(path) as tmp:
             torch.save({"train": train, "val": val}, tmp)
     dist.barrier()
-    tokens = torch.load(path, weights_only=True)
-    return tokens["train"], tokens["val"]
+    tokens = _read_tokens(path, spec.seq_len)
+    if tokens is None:
+        raise InputError(f"the calibration tokens at {path} are unreadable; delete {library.work} to start over")
+    return tokens
+
+
+def _read_tokens(path: Path, seq_len: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(train, val) token ids from `path`, or None when the file is damaged or not what BLD wrote."""
+    try:
+        tokens = torch.load(path, weights_only=True)
+    except Exception:  # torch.load fails in many types on a damaged file; all mean "unreadable"
+        return None
+    if not isinstance(tokens, dict):
+        return None
+    parts = (tokens.get("train"), tokens.get("val"))
+    if not all(isinstance(t, torch.Tensor) and t.dtype == torch.long and t.ndim == 2 and t.shape[1] == seq_len
+               and t.shape[0] > 0 for t in parts):
+        return None
+    return parts
 
 
 def _trainable_units(space: SearchSpace) -> list[Unit]:
