@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 FAMILIES = ("llama", "llama3-rope", "mistral", "mistral-window", "qwen2", "qwen3", "phi3", "phi3-longrope",
-            "phi3-window")
+            "phi3-window", "qwen2-some-windowed", "gemma", "gemma2")
 GKD = ["--gkd-set", "data.seq_len=32", "--gkd-set", "data.held_out_sequences=2", "--gkd-set",
        "optim.batch_sequences=4"]
 

@@ -55,6 +55,7 @@ from mlxkit.engines.errors import InputError
 from mlxkit.engines.hardware.costs import MIB, CostModel
 from mlxkit.engines.hardware.profile import HardwareProfile, load_profile
 from mlxkit.engines.hardware.scenario import DTYPE_BYTES, Scenario
+from mlxkit.engines.models.attention import prefer_sdpa
 from mlxkit.engines.models.decilm.blocks import (AttentionVariant, BlockChoice, FFNVariant, ParentShape,
                                                  parent_attention, parent_ffn)
 
@@ -172,7 +173,7 @@ def _build(parent_config, choices: list[BlockChoice], dtype, device, seed: int):
             and config.model_type != "mlx_decilm":
         config.layer_types = list(config.layer_types)[:1] * len(choices)
     child = child_config(config, choices)
-    child._attn_implementation = "sdpa"
+    prefer_sdpa(child)
     torch.manual_seed(seed)
     model = MlxDeciLMForCausalLM(child)
     return model.to(dtype=dtype, device=device).eval()

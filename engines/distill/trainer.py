@@ -39,6 +39,7 @@ from mlxkit.engines.core.progress import Reporter
 from mlxkit.engines.distill.losses import cosine_distance_sum, logit_term_sums
 from mlxkit.engines.distill.recipe import DistillRecipe
 from mlxkit.engines.errors import InputError
+from mlxkit.engines.models.attention import prefer_sdpa
 from mlxkit.engines.training.checkpoint import TrainingState, load_checkpoint, save_checkpoint
 from mlxkit.engines.training.distributed import gradients
 from mlxkit.engines.training.run import TrainingOptions, TrainingRun
@@ -117,7 +118,7 @@ class DistillationRun(TrainingRun):
         self.trained_layers = self._trained_layers(student_config)
         self._check_memory(self.teacher, student_config)
         self.save_dtype = self.placement.save_dtype(source_dtype(self.student_source), self.options.save_dtype)
-        self.teacher.config._attn_implementation = "sdpa"
+        prefer_sdpa(self.teacher.config)
         if not self.sharded:
             place_frozen(self.teacher, self.placement)
         self.seq_len = self.recipe.data.seq_len
@@ -148,7 +149,7 @@ class DistillationRun(TrainingRun):
         else:
             student = meta_model(student_config, torch.float32)
         self.generation_config = student.generation_config
-        student.config._attn_implementation = "sdpa"
+        prefer_sdpa(student.config)
 
         def prepare(model: torch.nn.Module) -> None:
             if self.trained_layers is not None:

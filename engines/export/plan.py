@@ -153,6 +153,8 @@ def _expected_tensors(config, layers: tuple[Layer, ...]) -> tuple[dict[str, tupl
         att, ffn = layer.attention, layer.ffn
         if att.kind != "no_op":
             expected[p + "input_layernorm.weight"] = (h,)
+        if att.kind != "no_op" and getattr(config, "sandwich_norms", False):
+            expected[p + "attention_output_norm.weight"] = (h,)
         if att.kind == "linear":
             expected[p + "self_attn.linear_attn.weight"] = (h, h)
         elif att.kind == "gqa":
@@ -170,6 +172,8 @@ def _expected_tensors(config, layers: tuple[Layer, ...]) -> tuple[dict[str, tupl
                 expected[f"{p}self_attn.k_norm.weight"] = (hd,)
         if ffn.kind != "no_op":
             expected[p + "post_attention_layernorm.weight"] = (h,)
+        if ffn.kind != "no_op" and getattr(config, "sandwich_norms", False):
+            expected[p + "ffn_output_norm.weight"] = (h,)
         if ffn.kind == "linear":
             expected[p + "mlp.linear_mlp.weight"] = (h, h)
         elif ffn.kind == "mlp":
@@ -278,16 +282,18 @@ def check_format(model: ModelDescription, fmt: str, dtype: str) -> list[str]:
 
 
 def _refuse_family_features(model: ModelDescription, fmt: str) -> None:
-    """Neither llama.cpp's deci graph nor the Nemotron-NAS layout has q/k norms or a sliding window."""
+    """Neither llama.cpp's deci graph nor the Nemotron-NAS layout has q/k norms, a sliding window or Gemma's
+    layer features."""
     from mlxkit.engines.models.families import sliding_window
-    from mlxkit.engines.serving.capabilities import has_qk_norm
+    from mlxkit.engines.serving.capabilities import gemma_features, has_qk_norm
 
     missing = []
     if has_qk_norm(model.config):
         missing.append("per-head q/k RMSNorms (Qwen3's q_norm/k_norm)")
+    missing += gemma_features(model.config)
     window = sliding_window(model.config)
     if window is not None:
-        missing.append(f"a sliding attention window (this model's is {window})")
+        missing.append(f"sliding attention window (this model's is {window})")
     if missing:
         raise InputError(f"the {fmt} layout has no {' and no '.join(missing)}; export to hf, which holds them")
 

@@ -36,6 +36,7 @@ from mlxkit.engines.finetune.data import (Batch, Examples, LabelledTexts, classi
 from mlxkit.engines.finetune.model import build_model, fo_layer_parameters, save_outputs
 from mlxkit.engines.finetune.recipe import FinetuneRecipe
 from mlxkit.engines.finetune.steps import MixOrderSplit, first_order_step, mix_order_step
+from mlxkit.engines.models.attention import prefer_sdpa
 from mlxkit.engines.training.budget import activation_bytes, check_data_vs_batch, check_fits, optimiser_bytes
 from mlxkit.engines.training.checkpoint import TrainingState, load_checkpoint, save_checkpoint
 from mlxkit.engines.training.run import TrainingOptions, TrainingRun
@@ -98,7 +99,7 @@ class FinetuneRun(TrainingRun):
             self.tokenizer = load_tokenizer(self.source)
             lm = meta_model(load_config(options.model, reporter=self.reporter), torch.float32)
         self.save_dtype = self.placement.save_dtype(source_dtype(self.source), options.save_dtype)
-        lm.config._attn_implementation = "sdpa"
+        prefer_sdpa(lm.config)
         positions = getattr(lm.config, "max_position_embeddings", None)
         if positions and recipe.data.seq_len > positions:
             raise InputError(f"data.seq_len {recipe.data.seq_len} exceeds the model's {positions} positions")

@@ -13,10 +13,11 @@ from typing import Literal
 import torch
 from torch import nn
 
+from mlxkit.engines.models.attention import prefer_sdpa
 from mlxkit.engines.models.decilm.blocks import (AttentionVariant, BlockChoice, FFNVariant, ParentShape,
                                                  parent_attention, parent_ffn)
 from mlxkit.engines.models.decilm.convert import child_config
-from mlxkit.engines.models.decilm.modeling_mlx_decilm import MlxDeciLMDecoderLayer
+from mlxkit.engines.models.decilm.modeling_mlx_decilm import SUBBLOCK_MODULES, MlxDeciLMDecoderLayer
 
 SubblockKind = Literal["attention", "ffn"]
 
@@ -33,7 +34,7 @@ class Subblock(nn.Module):
         else:
             choice = BlockChoice(AttentionVariant("no_op"), variant)  # type: ignore[arg-type]
         config = child_config(parent_config, [choice] * parent_config.num_hidden_layers)
-        config._attn_implementation = "sdpa"
+        prefer_sdpa(config)
         self.layer = MlxDeciLMDecoderLayer(config, layer_idx)
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None) -> torch.Tensor:
@@ -60,7 +61,6 @@ def parent_subblock(parent_model, layer_idx: int, kind: SubblockKind) -> Subbloc
     with torch.device("meta"):
         block = Subblock(parent_model.config, layer_idx, kind, variant)
     source = parent_model.model.layers[layer_idx]
-    names = ("input_layernorm", "self_attn") if kind == "attention" else ("post_attention_layernorm", "mlp")
-    for name in names:
+    for name in SUBBLOCK_MODULES[kind]:
         setattr(block.layer, name, getattr(source, name))
     return block.eval()

@@ -33,6 +33,7 @@ class ServingEngine:
     head_dim_from_hidden : it derives head_dim as hidden/heads, so a parent with another head_dim cannot load.
     qk_norm : it applies per-head q/k RMSNorms (Qwen3).
     sliding_window : it keeps a sliding attention window from the layout it loads.
+    gemma_layers : it builds Gemma's layer features (`gemma_features`).
     needs_attention_layer : a child must keep attention in at least one layer.
     """
 
@@ -46,6 +47,7 @@ class ServingEngine:
     head_dim_from_hidden: bool
     qk_norm: bool
     sliding_window: bool
+    gemma_layers: bool
     needs_attention_layer: bool
     source: str
     serve: str  # how a user starts it on the exported child (EXPORT stands for the exported path)
@@ -78,6 +80,9 @@ class ServingEngine:
                             f"is {head_dim}")
         if not self.qk_norm and has_qk_norm(config):
             problems.append("its attention has no per-head q/k RMSNorm (Qwen3's q_norm/k_norm)")
+        gemma = gemma_features(config)
+        if gemma and not self.gemma_layers:
+            problems.append(f"its layer has no {', no '.join(gemma)}")
         window = sliding_window(config)
         if window is not None and not self.sliding_window:
             problems.append(f"the layout it loads keeps no sliding attention window (this model's is {window})")
@@ -94,13 +99,45 @@ def has_qk_norm(config: Any) -> bool:
     return bool(getattr(config, "qk_norm", False)) or getattr(config, "model_type", None) == "qwen3"
 
 
+def gemma_features(config: Any) -> list[str]:
+    """Gemma's features beyond Llama's layer that a parent or child config has, each described."""
+    from mlxkit.engines.models import families
+
+    names = ("norm_weight_offset", "embedding_multiplier", "sandwich_norms", "query_pre_attn_scalar",
+             "attn_logit_softcapping", "final_logit_softcapping", "hidden_act")
+    values = {name: getattr(config, name, None) for name in names}
+    if getattr(config, "model_type", None) != "mlx_decilm":
+        try:
+            values.update(families.family_of(config).fields_for(config))
+        except InputError:  # not a family's config: it has only what its fields say
+            pass
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    found = []
+    if values["norm_weight_offset"]:
+        found.append("RMSNorm scaled by (1 + weight)")
+    if values["embedding_multiplier"] is not None:
+        found.append(f"embedding scale ({values['embedding_multiplier']:g})")
+    if values["sandwich_norms"]:
+        found.append("norm after each subblock")
+    if values["query_pre_attn_scalar"] is not None and float(values["query_pre_attn_scalar"]) != float(head_dim):
+        found.append(f"query_pre_attn_scalar ({values['query_pre_attn_scalar']:g}) in place of head_dim")
+    if values["attn_logit_softcapping"] is not None:
+        found.append("attention soft-capping")
+    if values["final_logit_softcapping"] is not None:
+        found.append("logit soft-capping")
+    if (values["hidden_act"] or "silu") != "silu":
+        found.append(f"{values['hidden_act']} FFN gate (SwiGLU's is silu)")
+    return found
+
+
 _NAS_LAYER = frozenset({"gqa", "no_op"}), frozenset({"mlp", "no_op"})
 
 ENGINES: dict[str, ServingEngine] = {engine.name: engine for engine in (
     ServingEngine(
         name="vllm", title="vLLM", export_format="nemotron-nas",
         attention=_NAS_LAYER[0], ffn=_NAS_LAYER[1], nas_widths=True, rope_types=_VLLM_ROPE,
-        head_dim_from_hidden=True, qk_norm=False, sliding_window=False, needs_attention_layer=True,
+        head_dim_from_hidden=True, qk_norm=False, sliding_window=False, gemma_layers=False,
+        needs_attention_layer=True,
         source="vllm/model_executor/models/nemotron_nas.py (vLLM 0.32.0): DeciLMDecoderLayer builds no-op or "
                "LlamaAttention with num_heads // n_heads_in_group KV heads, and no-op or LlamaMLP of width "
                "ceil_256(int(2·ffn_mult·hidden/3)); no linear attention or FFN",
@@ -108,7 +145,8 @@ ENGINES: dict[str, ServingEngine] = {engine.name: engine for engine in (
     ServingEngine(
         name="sglang", title="SGLang", export_format="nemotron-nas",
         attention=_NAS_LAYER[0], ffn=_NAS_LAYER[1], nas_widths=True, rope_types=_VLLM_ROPE,
-        head_dim_from_hidden=True, qk_norm=False, sliding_window=False, needs_attention_layer=True,
+        head_dim_from_hidden=True, qk_norm=False, sliding_window=False, gemma_layers=False,
+        needs_attention_layer=True,
         source="python/sglang/srt/models/nemotron_nas.py (SGLang 0.5.23, read from its wheel): the same layer "
                "kinds and ffn_mult rule as vLLM's; its PyPI package needs CUDA (cuda-python, flashinfer, "
                "sglang-kernel), so it is not run on a CPU",
@@ -117,7 +155,8 @@ ENGINES: dict[str, ServingEngine] = {engine.name: engine for engine in (
         name="trtllm", title="TensorRT-LLM", export_format="nemotron-nas",
         attention=frozenset({"gqa", "linear", "no_op"}), ffn=frozenset({"mlp", "linear", "no_op"}),
         nas_widths=True, rope_types=("default", "linear", "dynamic", "llama3"),
-        head_dim_from_hidden=True, qk_norm=False, sliding_window=False, needs_attention_layer=True,
+        head_dim_from_hidden=True, qk_norm=False, sliding_window=False, gemma_layers=False,
+        needs_attention_layer=True,
         source="tensorrt_llm/models/nemotron_nas/config.py and convert.py (TensorRT-LLM 0.16+): "
                "AttentionImplementation ATTENTION/LINEAR/NO_OP, FFNImplementation MLP/LINEAR/NO_OP, widths "
                "from ffn_mult by the DeciLM rule; read from source, not run here",
@@ -126,7 +165,8 @@ ENGINES: dict[str, ServingEngine] = {engine.name: engine for engine in (
         name="llamacpp", title="llama.cpp", export_format="gguf",
         attention=frozenset({"gqa", "linear", "no_op"}), ffn=frozenset({"mlp", "no_op"}),
         nas_widths=False, rope_types=("default", "linear", "llama3"),
-        head_dim_from_hidden=False, qk_norm=False, sliding_window=False, needs_attention_layer=True,
+        head_dim_from_hidden=False, qk_norm=False, sliding_window=False, gemma_layers=False,
+        needs_attention_layer=True,
         source="src/llama-model.cpp, LLM_ARCH_DECI (llama-cpp-python 0.3.x): per-layer head_count_kv and "
                "feed_forward_length, a zero-KV-head layer for linear attention, no linear FFN; run in the "
                "`llamacpp` tests",
@@ -135,7 +175,7 @@ ENGINES: dict[str, ServingEngine] = {engine.name: engine for engine in (
         name="transformers", title="transformers", export_format="hf",
         attention=frozenset({"gqa", "linear", "no_op"}), ffn=frozenset({"mlp", "linear", "no_op"}),
         nas_widths=False, rope_types=None, head_dim_from_hidden=False, qk_norm=True, sliding_window=True,
-        needs_attention_layer=False,
+        gemma_layers=True, needs_attention_layer=False,
         source="the child's own modeling code, shipped with the export (trust_remote_code)",
         serve="AutoModelForCausalLM.from_pretrained(EXPORT, trust_remote_code=True)"),
 )}

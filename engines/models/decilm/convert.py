@@ -9,6 +9,7 @@ import torch
 
 from mlxkit.engines.errors import InputError
 from mlxkit.engines.models import families
+from mlxkit.engines.models.attention import prefer_sdpa
 from mlxkit.engines.models.decilm.blocks import BlockChoice, ParentShape
 from mlxkit.engines.models.decilm.configuration_mlx_decilm import MlxDeciLMConfig
 from mlxkit.engines.models.decilm.modeling_mlx_decilm import MlxDeciLMForCausalLM
@@ -19,7 +20,10 @@ SUPPORTED_PARENTS = families.supported_model_types()
 _CARRIED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                    "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps",
                    "tie_word_embeddings", "rope_parameters", "attention_bias", "mlp_bias", "bos_token_id",
-                   "eos_token_id", "pad_token_id", "initializer_range", "use_cache", "qk_norm")
+                   "eos_token_id", "pad_token_id", "initializer_range", "use_cache",
+                   # family fields a config of the family (or a child of one) spells as the child does
+                   "qk_norm", "norm_weight_offset", "embedding_multiplier", "sandwich_norms",
+                   "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping")
 
 
 def check_parent(config) -> None:
@@ -34,8 +38,9 @@ def child_config(parent_config, choices: Sequence[BlockChoice] | None = None) ->
     if parent_config.model_type == "mlx_decilm":
         fields["num_key_value_heads"] = parent_config.parent_num_key_value_heads
         fields["intermediate_size"] = parent_config.parent_intermediate_size
-    fields.update(family.child_fields)
+    fields.update(family.fields_for(parent_config))
     fields["sliding_window"] = families.sliding_window(parent_config)
+    fields["windowed_layers"] = families.windowed_layers(parent_config)
     fields["head_dim"] = getattr(parent_config, "head_dim", None) or \
         parent_config.hidden_size // parent_config.num_attention_heads
     shape = ParentShape.from_config(parent_config)
@@ -58,7 +63,8 @@ def from_parent(parent_model) -> MlxDeciLMForCausalLM:
     lack is zeros. The parent model itself is left as it was.
     """
     config = child_config(parent_model.config)
-    config._attn_implementation = getattr(parent_model.config, "_attn_implementation", None) or "sdpa"
+    config._attn_implementation = getattr(parent_model.config, "_attn_implementation", None) or \
+        prefer_sdpa(config)._attn_implementation
     with torch.device("meta"):
         model = MlxDeciLMForCausalLM(config)
     stored = parent_model.state_dict()
@@ -102,7 +108,8 @@ def parent_skeleton(parent_config) -> MlxDeciLMForCausalLM:
     Parameters do not require gradients: a parent is only ever run.
     """
     config = child_config(parent_config)
-    config._attn_implementation = getattr(parent_config, "_attn_implementation", None) or "sdpa"
+    config._attn_implementation = getattr(parent_config, "_attn_implementation", None) or \
+        prefer_sdpa(config)._attn_implementation
     with torch.device("meta"):
         model = MlxDeciLMForCausalLM(config)
     model.requires_grad_(False)
@@ -127,6 +134,8 @@ def parent_file_name(name: str, parent_config, stored: Container[str]) -> str | 
         if part is not None:
             raise InputError(f"'{name}' is stored in rows of '{part[0].stored}' by {family.name} parents; "
                              "read it through parent_sources")
+        if rest in family.renamed:
+            return name[: -len(rest)] + family.renamed[rest]
         if rest in family.absent_as_zeros and name not in stored:
             return None
     return name

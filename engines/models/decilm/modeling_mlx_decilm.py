@@ -7,8 +7,11 @@ a no-op subblock has no weights and no norm, linear attention lives at
 `self_attn.linear_attn`, linear FFN at `mlp.linear_mlp`. With every layer at the
 parent's shape this is exactly a Llama, logit for logit. With `config.qk_norm` each head's
 query and key are RMS-normed before RoPE (`self_attn.q_norm`, `self_attn.k_norm`), as in
-Qwen3, and the same holds for a Qwen3 parent. With `config.sliding_window` every attention
-layer sees only that many positions back, as in Mistral v0.1 and Phi-3-mini-4k.
+Qwen3, and the same holds for a Qwen3 parent. With `config.sliding_window` the attention
+layers (all, or those `config.windowed_layers` marks) see only that many positions back, as in
+Mistral v0.1, Phi-3-mini-4k and Gemma 2's alternating layers. Gemma's own features (norms that
+scale by 1 + weight, the embedding scale, the norm after each subblock, soft-capped scores and
+logits) are config fields too; see `configuration_mlx_decilm.py`.
 
 Decoder layers are `GradientCheckpointingLayer`s, as in transformers' Llama:
 `model.gradient_checkpointing_enable()` recomputes each layer in the backward pass.
@@ -21,6 +24,7 @@ from typing import Callable
 import torch
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
@@ -28,12 +32,83 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging
-from transformers.models.llama.modeling_llama import (LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb,
-                                                      eager_attention_forward)
+from transformers.models.llama.modeling_llama import (LlamaRotaryEmbedding, apply_rotary_pos_emb,
+                                                      eager_attention_forward, repeat_kv)
 
 from mlxkit.engines.models.decilm.configuration_mlx_decilm import MlxDeciLMConfig
 
 logger = logging.get_logger(__name__)
+
+
+class MlxDeciLMRMSNorm(nn.Module):
+    """RMSNorm over the last dimension, normalised in float32.
+
+    With `offset` 0 it is Llama's: cast back to the input's dtype, then scaled by `weight`. With
+    `offset` 1 it is Gemma's: scaled by (1 + weight) in float32, then cast back; its weight starts
+    at zeros. The two round differently in low precision, so each family keeps its own.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, offset: float = 0.0):
+        super().__init__()
+        self.offset = float(offset)
+        self.weight = nn.Parameter(torch.zeros(hidden_size) if self.offset else torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        dtype = hidden_states.dtype
+        hidden = hidden_states.to(torch.float32)
+        hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        if self.offset:
+            return (hidden * (self.offset + self.weight.float())).to(dtype)
+        return self.weight * hidden.to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, offset={self.offset}"
+
+
+def make_norm(config: MlxDeciLMConfig, size: int | None = None) -> MlxDeciLMRMSNorm:
+    return MlxDeciLMRMSNorm(size or config.hidden_size, eps=config.rms_norm_eps, offset=config.norm_weight_offset)
+
+
+class MlxDeciLMEmbedding(nn.Embedding):
+    """Token embeddings, scaled by `multiplier` (Gemma's sqrt(hidden_size)) when it is set.
+
+    The factor is rounded to the weights' dtype before it multiplies, as Gemma rounds it; a Python
+    number, so the scaling costs no tensor creation or host transfer per call.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None,
+                 multiplier: float | None = None):
+        super().__init__(num_embeddings, embedding_dim, padding_idx)
+        self.multiplier = multiplier
+        self._rounded: dict[torch.dtype, float] = {}
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        embeds = super().forward(input_ids)
+        if self.multiplier is None:
+            return embeds
+        dtype = self.weight.dtype
+        if dtype not in self._rounded:
+            self._rounded[dtype] = float(torch.tensor(self.multiplier, dtype=torch.float32).to(dtype))
+        return embeds * self._rounded[dtype]
+
+
+def soft_capped_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                  attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0,
+                                  softcap: float | None = None, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eager attention whose scores are squashed to softcap·tanh(score / softcap) before the mask
+    (Gemma 2); SDPA and flash attention cannot cap scores, so capped layers always run this."""
+    key = repeat_kv(key, module.num_key_value_groups)
+    value = repeat_kv(value, module.num_key_value_groups)
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if attention_mask is not None:
+        scores = scores + attention_mask[:, :, :, : key.shape[-2]]
+    weights = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = nn.functional.dropout(weights, p=dropout, training=module.training)
+    output = torch.matmul(weights, value).transpose(1, 2).contiguous()
+    return output, weights
 
 
 class MlxDeciLMGQAAttention(nn.Module):
@@ -47,7 +122,8 @@ class MlxDeciLMGQAAttention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_key_value_heads = num_key_value_heads
         self.num_key_value_groups = config.num_attention_heads // num_key_value_heads
-        self.scaling = self.head_dim ** -0.5
+        self.scaling = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
+        self.softcap = config.attn_logit_softcapping
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
         bias = config.attention_bias
@@ -56,9 +132,9 @@ class MlxDeciLMGQAAttention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, num_key_value_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
         # Over head_dim, so one weight serves every head and a variant with fewer KV heads keeps it.
-        self.q_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps) if config.qk_norm else None
-        self.sliding_window = config.sliding_window
+        self.q_norm = make_norm(config, self.head_dim) if config.qk_norm else None
+        self.k_norm = make_norm(config, self.head_dim) if config.qk_norm else None
+        self.sliding_window = config.sliding_window if config.layer_windowed(layer_idx) else None
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                 attention_mask: torch.Tensor | None, cache: Cache | None = None, **kwargs) -> torch.Tensor:
@@ -77,21 +153,34 @@ class MlxDeciLMGQAAttention(nn.Module):
         if attention_mask is None and self.sliding_window is not None and key.shape[-2] > self.sliding_window:
             # A layer run on its own (a BLD subblock) gets no mask from the model; past the window a
             # causal mask alone would let it see more than the parent's layer does.
-            attention_mask = _sliding_window_mask(query.shape[-2], key.shape[-2], self.sliding_window, query)
-        attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
-                                                                     eager_attention_forward)
+            attention_mask = _causal_mask(query.shape[-2], key.shape[-2], self.sliding_window, query)
+        if self.softcap is not None:
+            # Capped scores run eagerly, which needs an additive mask whatever the model made: none (SDPA's
+            # causal fast path, or a layer run on its own) or SDPA's boolean one.
+            if attention_mask is None:
+                attention_mask = _causal_mask(query.shape[-2], key.shape[-2], self.sliding_window, query)
+            elif attention_mask.dtype == torch.bool:
+                attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+                    ~attention_mask, torch.finfo(query.dtype).min)
+            attention: Callable = soft_capped_attention_forward
+            kwargs["softcap"] = self.softcap
+        else:
+            attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                              eager_attention_forward)
         output, _ = attention(self, query, key, value, attention_mask, scaling=self.scaling,
                               dropout=0.0 if not self.training else self.attention_dropout,
                               sliding_window=self.sliding_window, **kwargs)
         return self.o_proj(output.reshape(*input_shape, -1).contiguous())
 
 
-def _sliding_window_mask(query_length: int, key_length: int, window: int, like: torch.Tensor) -> torch.Tensor:
+def _causal_mask(query_length: int, key_length: int, window: int | None, like: torch.Tensor) -> torch.Tensor:
     """Additive [1, 1, q, k] mask: the last `query_length` positions each see themselves and the
-    `window - 1` positions before them."""
+    positions before them (with a `window`, only the `window - 1` before them)."""
     query_pos = torch.arange(key_length - query_length, key_length, device=like.device)[:, None]
     key_pos = torch.arange(key_length, device=like.device)[None, :]
-    visible = (key_pos <= query_pos) & (query_pos - key_pos < window)
+    visible = key_pos <= query_pos
+    if window is not None:
+        visible = visible & (query_pos - key_pos < window)
     mask = torch.zeros(visible.shape, dtype=like.dtype, device=like.device)
     return mask.masked_fill(~visible, torch.finfo(like.dtype).min)[None, None]
 
@@ -153,8 +242,14 @@ def build_ffn(config: MlxDeciLMConfig, block: dict) -> nn.Module | None:
     return MlxDeciLMMLP(config, ffn["intermediate_size"])
 
 
+# Each subblock's modules in a decoder layer, in the order they run: the norm in front, the block, and
+# (with sandwich norms) the norm after it. Everything that moves one subblock between models reads this.
+SUBBLOCK_MODULES = {"attention": ("input_layernorm", "self_attn", "attention_output_norm"),
+                    "ffn": ("post_attention_layernorm", "mlp", "ffn_output_norm")}
+
+
 class MlxDeciLMDecoderLayer(GradientCheckpointingLayer):
-    """Pre-norm residual layer; a no-op subblock has neither weights nor norm.
+    """Pre-norm residual layer; a no-op subblock has neither weights nor norms.
 
     Under gradient checkpointing `forward` is recomputed in the backward pass, so the
     hidden states and position embeddings are passed positionally (the convention of
@@ -166,23 +261,27 @@ class MlxDeciLMDecoderLayer(GradientCheckpointingLayer):
         block = config.block_configs[layer_idx]
         self.self_attn = build_attention(config, layer_idx, block)
         self.mlp = build_ffn(config, block)
-        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps) if self.self_attn else None
-        self.post_attention_layernorm = (LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-                                         if self.mlp else None)
+        self.input_layernorm = make_norm(config) if self.self_attn else None
+        self.post_attention_layernorm = make_norm(config) if self.mlp else None
+        # Gemma 2 norms each subblock's output too (its post_attention/post_feedforward_layernorm).
+        self.attention_output_norm = make_norm(config) if self.self_attn and config.sandwich_norms else None
+        self.ffn_output_norm = make_norm(config) if self.mlp and config.sandwich_norms else None
 
     def attention_delta(self, hidden_states: torch.Tensor, position_embeddings, attention_mask=None, cache=None,
                         **kwargs) -> torch.Tensor | None:
         """What the attention subblock adds to the residual stream (None for no-op)."""
         if self.self_attn is None:
             return None
-        return self.self_attn(self.input_layernorm(hidden_states), position_embeddings=position_embeddings,
-                              attention_mask=attention_mask, cache=cache, **kwargs)
+        delta = self.self_attn(self.input_layernorm(hidden_states), position_embeddings=position_embeddings,
+                               attention_mask=attention_mask, cache=cache, **kwargs)
+        return delta if self.attention_output_norm is None else self.attention_output_norm(delta)
 
     def ffn_delta(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """What the FFN subblock adds to the residual stream (None for no-op)."""
         if self.mlp is None:
             return None
-        return self.mlp(self.post_attention_layernorm(hidden_states))
+        delta = self.mlp(self.post_attention_layernorm(hidden_states))
+        return delta if self.ffn_output_norm is None else self.ffn_output_norm(delta)
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask=None, cache=None,
                 **kwargs) -> torch.Tensor:
@@ -202,17 +301,30 @@ class MlxDeciLMPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules = ["MlxDeciLMDecoderLayer"]
     _supports_sdpa = True
-    _supports_flash_attn = True
+
+    # Soft-capped scores run in this file's eager attention, as Gemma 2's do in transformers. It turns
+    # SDPA's masks (none, or boolean) into its own; flash attention's padding masks it does not read.
+    @property
+    def _supports_flash_attn(self) -> bool:
+        return getattr(self.config, "attn_logit_softcapping", None) is None
+
     _supports_attention_backend = True
+
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        # A norm that scales by (offset + weight) is the identity at weight zero, not one.
+        if isinstance(module, MlxDeciLMRMSNorm) and module.offset:
+            init.zeros_(module.weight)
 
 
 class MlxDeciLMModel(MlxDeciLMPreTrainedModel):
     def __init__(self, config: MlxDeciLMConfig):
         super().__init__(config)
         self.padding_idx = config.pad_token_id
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.embed_tokens = MlxDeciLMEmbedding(config.vocab_size, config.hidden_size, self.padding_idx,
+                                               config.embedding_multiplier)
         self.layers = nn.ModuleList([MlxDeciLMDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
-        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = make_norm(config)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
         self.gradient_checkpointing = False
         self.post_init()
@@ -240,17 +352,12 @@ class MlxDeciLMModel(MlxDeciLMPreTrainedModel):
             attending = [i for i, kind in enumerate(self.config.layer_types) if kind != "linear_attention"]
             past_seen = cache.get_seq_length(attending[0]) if cache is not None and attending else 0
             position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen).unsqueeze(0)
-        windowed = self.config.sliding_window is not None
-        if isinstance(attention_mask, dict):
-            attention_mask = attention_mask.get("sliding_attention" if windowed else "full_attention")
-        make_mask = create_sliding_window_causal_mask if windowed else create_causal_mask
-        causal_mask = make_mask(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-                                cache=cache, position_ids=position_ids)
+        masks = self._causal_masks(inputs_embeds, attention_mask, cache, position_ids)
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
         all_hidden = [hidden_states] if output_hidden_states else None
-        for layer in self.layers:
-            hidden_states = layer(hidden_states, position_embeddings, attention_mask=causal_mask, cache=cache)
+        for layer, kind in zip(self.layers, self.config.layer_types):
+            hidden_states = layer(hidden_states, position_embeddings, attention_mask=masks.get(kind), cache=cache)
             if all_hidden is not None:
                 all_hidden.append(hidden_states)
         hidden_states = self.norm(hidden_states)
@@ -258,6 +365,17 @@ class MlxDeciLMModel(MlxDeciLMPreTrainedModel):
             all_hidden[-1] = hidden_states
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache if use_cache else None,
                                        hidden_states=tuple(all_hidden) if all_hidden is not None else None)
+
+
+    def _causal_masks(self, inputs_embeds: torch.Tensor, attention_mask, cache: Cache | None,
+                      position_ids: torch.Tensor) -> dict[str, torch.Tensor | None]:
+        """The mask of each kind of attention layer the model has (a mapping `generate` may have made)."""
+        kinds = set(self.config.layer_types) - {"linear_attention"}
+        if isinstance(attention_mask, dict):
+            return attention_mask
+        makers = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+        return {kind: makers[kind](config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                                   cache=cache, position_ids=position_ids) for kind in sorted(kinds)}
 
 
 class MlxDeciLMForCausalLM(MlxDeciLMPreTrainedModel, GenerationMixin):
@@ -285,6 +403,9 @@ class MlxDeciLMForCausalLM(MlxDeciLMPreTrainedModel, GenerationMixin):
         elif isinstance(logits_to_keep, torch.Tensor):
             hidden_states = hidden_states[:, logits_to_keep]
         logits = self.lm_head(hidden_states)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)

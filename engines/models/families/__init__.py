@@ -1,9 +1,10 @@
 """Parent families: how each architecture's checkpoint becomes the heterogeneous child.
 
 Each family is one small declarative file in this package that defines `FAMILY`. It names the
-`model_type`s it covers, the child config fields it implies (`qk_norm`, ...), the stored tensors
-that stack several of the child's along their rows (read as row slices, tensor by tensor, when a
-layer is read), and the child tensors its checkpoints may lack (held as zeros). A family the child
+`model_type`s it covers, the child config fields it implies (`qk_norm`, ...) or reads off the
+parent's config (`config_fields`), the stored tensors that stack several of the child's along their
+rows (read as row slices, tensor by tensor, when a layer is read), the per-layer tensors stored
+under other names (`renamed`), and the child tensors its checkpoints may lack (held as zeros). A family the child
 cannot reproduce says which feature is missing, and is refused before any work. Adding a family is
 adding a file here and its identity test (tests/test_families.py).
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from dataclasses import dataclass, field
-from typing import Any, Container, Mapping
+from typing import Any, Callable, Container, Mapping
 
 from mlxkit.engines.errors import InputError
 
@@ -36,9 +37,15 @@ class Family:
     name: str
     model_types: tuple[str, ...]
     child_fields: Mapping[str, Any] = field(default_factory=dict)
+    config_fields: Callable[[Any], Mapping[str, Any]] | None = None  # child fields read off the parent's config
+    renamed: Mapping[str, str] = field(default_factory=dict)  # per-layer child name -> the checkpoint's name
     fused: tuple[Fused, ...] = ()
     absent_as_zeros: tuple[str, ...] = ()   # per-layer child names a checkpoint may lack
     refused: str = ""                       # what the child lacks for this family; empty when it is supported
+
+    def fields_for(self, config: Any) -> dict[str, Any]:
+        """The child config fields this family sets for the parent `config`."""
+        return {**self.child_fields, **(self.config_fields(config) if self.config_fields else {})}
 
     def fused_part(self, rest: str) -> tuple[Fused, int] | None:
         """The fused tensor holding the per-layer child tensor `rest`, and its position there."""
@@ -110,12 +117,23 @@ def sliding_window(config: Any) -> int | None:
     return int(window)
 
 
+def windowed_layers(config: Any) -> list[bool] | None:
+    """Which layers keep the sliding window (from the config's `layer_types`); None: all of them, or no window."""
+    if sliding_window(config) is None:
+        return None
+    if getattr(config, "model_type", None) == "mlx_decilm":
+        return config.windowed_layers
+    kinds = getattr(config, "layer_types", None)
+    if not kinds or all(kind == "sliding_attention" for kind in kinds):
+        return None
+    return [kind == "sliding_attention" for kind in kinds]
+
+
 def _missing_feature(config: Any) -> str | None:
     """A feature, possible in any family's config, that the child's blocks do not have."""
-    kinds = {kind for kind in getattr(config, "layer_types", None) or () if kind != "linear_attention"}
-    if sliding_window(config) is not None and kinds - {"sliding_attention"}:
-        return (f"sliding-window attention on some layers only ({', '.join(sorted(kinds))}) is not part of the "
-                "child, whose window, when it has one, is every attention layer's")
+    kinds = set(getattr(config, "layer_types", None) or ()) - {"full_attention", "sliding_attention"}
+    if kinds and getattr(config, "model_type", None) != "mlx_decilm":
+        return f"attention layers of kind {', '.join(sorted(kinds))} are not part of the child"
     rope = getattr(config, "rope_parameters", None) or {}
     partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) \
         if isinstance(rope, dict) else 1.0
@@ -141,6 +159,8 @@ def parent_sources(parent_config: Any, shapes: Mapping[str, tuple[int, ...]], st
             sizes = [shapes[prefix + p][0] for p in fused.parts]
             start = sum(sizes[:position])
             sources[name] = Source(prefix + fused.stored, (start, start + sizes[position]))
+        elif prefix and rest in family.renamed:
+            sources[name] = Source(prefix + family.renamed[rest])
         elif prefix and rest in family.absent_as_zeros and name not in stored:
             sources[name] = Source(None)
         else:

@@ -5,9 +5,11 @@
 * narrower FFN: keep the channels with the largest measured contribution
   |act_i| * ||W_down[:, i]|| on calibration activations;
 * linear replacements: the least-squares map from the subblock's (normed) input to the
-  parent subblock's output on calibration activations. The paper's W_o.W_v and
-  W_down.W_up products are one point of that same family, so on the calibration data the
-  least-squares map is never worse.
+  parent subblock's output on calibration activations (with Gemma 2's norm after the subblock,
+  to what that norm turns into the output: the output over the norm's scale). The paper's
+  W_o.W_v and W_down.W_up products are one point of that same family, so on the calibration
+  data the least-squares map is never worse;
+* the norms around the subblock (and Gemma 2's after it) are the parent's.
 
 Every tensor is created on the device of the parent block. The new block is built on
 the meta device and given storage there (`build_on`), since every parameter is overwritten.
@@ -18,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from mlxkit.engines.models.decilm.blocks import AttentionVariant, FFNVariant
+from mlxkit.engines.models.decilm.modeling_mlx_decilm import SUBBLOCK_MODULES
 from mlxkit.engines.puzzle.subblocks import Subblock, SubblockKind
 from mlxkit.engines.training.device import build_on, module_device, module_dtype
 
@@ -42,19 +45,34 @@ def initialise(parent_block: Subblock, variant: AttentionVariant | FFNVariant, p
     if variant.kind == "no_op":
         return child.eval()
     src, dst = parent_block.layer, child.layer
-    norm_name = "input_layernorm" if kind == "attention" else "post_attention_layernorm"
+    norm_name, _, output_norm_name = SUBBLOCK_MODULES[kind]
     getattr(dst, norm_name).weight.copy_(getattr(src, norm_name).weight)
+    output_norm = getattr(src, output_norm_name)
+    if output_norm is not None:  # Gemma 2's norm after the subblock, kept by every variant
+        getattr(dst, output_norm_name).weight.copy_(output_norm.weight)
     normed = getattr(src, norm_name)(inputs).reshape(-1, inputs.shape[-1])
     if variant.kind == "linear":
         linear = dst.self_attn.linear_attn if kind == "attention" else dst.mlp.linear_mlp
-        weight = least_squares_map(normed, targets.reshape(-1, targets.shape[-1]), dtype=linear.weight.dtype)
-        linear.weight.copy_(weight)
+        linear.weight.copy_(least_squares_map(normed, _before_output_norm(targets, output_norm).reshape(
+            -1, targets.shape[-1]), dtype=linear.weight.dtype))
     elif kind == "attention":
         _pool_kv_heads(src.self_attn, dst.self_attn)
     else:
         keep = ffn_channel_ranking(src.mlp, normed)[: variant.intermediate_size].sort().values
         _copy_ffn_channels(src.mlp, dst.mlp, keep)
     return child.eval()
+
+
+def _before_output_norm(targets: torch.Tensor, output_norm) -> torch.Tensor:
+    """What the map in front of `output_norm` must give for the norm to give `targets`.
+
+    An RMSNorm's output divided by its scale has unit RMS and the direction of its input, and the
+    norm is blind to its input's scale, so targets / scale is an exact preimage.
+    """
+    if output_norm is None:
+        return targets
+    scale = output_norm.weight.float() + getattr(output_norm, "offset", 0.0)
+    return (targets.float() / scale).to(targets.dtype)
 
 
 def least_squares_map(x: torch.Tensor, y: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

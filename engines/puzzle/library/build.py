@@ -50,6 +50,7 @@ import torch
 from pydantic import ValidationError
 
 from mlxkit.engines.core.atomic import atomic_file, atomic_write_json
+from mlxkit.engines.models.attention import prefer_sdpa
 from mlxkit.engines.training.distributed import Distributed
 from mlxkit.engines.core.manifest import Manifest, content_hash
 from mlxkit.engines.core.paths import cache_dir
@@ -174,7 +175,7 @@ def _open_parent(options: DistillOptions, placement: Placement, reporter: Report
             check_local_weights(source, options.allow_pickle)
             check_finite_files(source.path, options.model)  # before anything is written
             config = load_config(str(source.path))
-            config._attn_implementation = "sdpa"
+            prefer_sdpa(config)
             streamed = StreamedParent.open(source.path, config, dtype=placement.dtype, device=placement.device,
                                            spec=options.model)
             if streamed is not None:
@@ -216,9 +217,9 @@ def _load_parent(options: DistillOptions, placement: Placement, reporter: Report
     loaded = load_model(options.model, dtype=placement.dtype, device=placement.device,
                         allow_pickle=options.allow_pickle, reporter=reporter)
     check_finite_weights(loaded.model, options.model)
-    loaded.model.config._attn_implementation = "sdpa"
+    prefer_sdpa(loaded.model.config)
     parent = from_parent(loaded.model)
-    parent.config._attn_implementation = "sdpa"
+    prefer_sdpa(parent.config)
     for p in parent.parameters():
         p.requires_grad_(False)
     return parent, loaded.tokenizer, loaded.source

@@ -20,15 +20,16 @@ import torch
 from safetensors.torch import load_file
 
 from mlxkit.engines.errors import InputError
+from mlxkit.engines.models.attention import prefer_sdpa
 from mlxkit.engines.models.decilm.blocks import BlockChoice, ParentShape, parent_attention, parent_ffn
 from mlxkit.engines.models.decilm.convert import child_config
-from mlxkit.engines.models.decilm.modeling_mlx_decilm import MlxDeciLMForCausalLM
+from mlxkit.engines.models.decilm.modeling_mlx_decilm import SUBBLOCK_MODULES, MlxDeciLMForCausalLM
 from mlxkit.engines.models.saving import DEFAULT_SHARD_SIZE
 from mlxkit.engines.puzzle.library.store import LibraryDir
 from mlxkit.engines.training.device import build_on, module_device, module_dtype
 
-_ATTENTION_PREFIXES = ("input_layernorm.", "self_attn.")
-_FFN_PREFIXES = ("post_attention_layernorm.", "mlp.")
+_ATTENTION_PREFIXES = tuple(f"{name}." for name in SUBBLOCK_MODULES["attention"])
+_FFN_PREFIXES = tuple(f"{name}." for name in SUBBLOCK_MODULES["ffn"])
 
 BlockKey = tuple[int, str]  # (layer, "attention" | "ffn")
 
@@ -72,7 +73,8 @@ def child_from_blocks(parent, choices: Sequence[BlockChoice], blocks: Mapping[Bl
     shape = ParentShape.from_config(parent.config)
     device, dtype = module_device(parent), dtype or module_dtype(parent)
     config = child_config(parent.config, choices)
-    config._attn_implementation = getattr(parent.config, "_attn_implementation", None) or "sdpa"
+    config._attn_implementation = getattr(parent.config, "_attn_implementation", None) or \
+        prefer_sdpa(config)._attn_implementation
     child = build_on(device, lambda: MlxDeciLMForCausalLM(config).to(dtype))
     _copy_rotary(parent, child)
     parent_state = parent.state_dict()

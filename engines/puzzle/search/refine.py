@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from mlxkit.engines.core.atomic import atomic_write_json
 from mlxkit.engines.eval.metrics import kl_from_log_probs
 from mlxkit.engines.models.decilm.blocks import BlockChoice, ParentShape, parent_attention, parent_ffn
+from mlxkit.engines.models.decilm.modeling_mlx_decilm import SUBBLOCK_MODULES
 from mlxkit.engines.puzzle.search.mip import Group, Option, SearchProblem, Solution
 
 REFINEMENT_FORMAT = 2
@@ -130,20 +131,16 @@ def _log_probs(model, ids: torch.Tensor) -> torch.Tensor:
     return F.log_softmax(model(input_ids=ids, use_cache=False).logits[:, :-1].float(), dim=-1)
 
 
-# A decoder layer's attributes for each subblock kind: the module and the norm in front of it.
-_SUBBLOCK_ATTRIBUTES = {"attention": ("self_attn", "input_layernorm"), "ffn": ("mlp", "post_attention_layernorm")}
-
-
-def _swap(child_layer, source_layer, kind: str) -> tuple[Any, Any]:
-    """Put `source_layer`'s `kind` subblock (and its norm) into `child_layer`; returns what was there."""
-    saved = tuple(getattr(child_layer, name) for name in _SUBBLOCK_ATTRIBUTES[kind])
-    for name in _SUBBLOCK_ATTRIBUTES[kind]:
+def _swap(child_layer, source_layer, kind: str) -> tuple[Any, ...]:
+    """Put `source_layer`'s `kind` subblock (and its norms) into `child_layer`; returns what was there."""
+    saved = tuple(getattr(child_layer, name) for name in SUBBLOCK_MODULES[kind])
+    for name in SUBBLOCK_MODULES[kind]:
         setattr(child_layer, name, getattr(source_layer, name))
     return saved
 
 
-def _restore(child_layer, kind: str, saved: tuple[Any, Any]) -> None:
-    for name, module in zip(_SUBBLOCK_ATTRIBUTES[kind], saved):
+def _restore(child_layer, kind: str, saved: tuple[Any, ...]) -> None:
+    for name, module in zip(SUBBLOCK_MODULES[kind], saved):
         setattr(child_layer, name, module)
 
 

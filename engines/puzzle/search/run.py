@@ -41,6 +41,7 @@ from mlxkit.engines.errors import InputError
 from mlxkit.engines.hardware.costs import price_variants
 from mlxkit.engines.hardware.profile import HardwareProfile, load_profile
 from mlxkit.engines.hardware.scenario import Scenario
+from mlxkit.engines.models.attention import prefer_sdpa
 from mlxkit.engines.models.decilm.blocks import BlockChoice, ParentShape, parent_attention, parent_ffn
 from mlxkit.engines.puzzle.search.budgets import Budgets
 from mlxkit.engines.puzzle.library.build import ensure_library
@@ -297,7 +298,7 @@ class SearchParent:
             from mlxkit.engines.models.decilm.convert import from_parent
 
             self._converted = from_parent(self.loaded.model)
-            self._converted.config._attn_implementation = "sdpa"
+            prefer_sdpa(self._converted.config)
         return self._converted
 
     def release(self) -> None:
