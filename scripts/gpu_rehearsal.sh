@@ -41,4 +41,11 @@ rm -rf "$OUT"
 env PIP_CONFIG_FILE=/dev/null PIP_NO_INDEX=1 HF_HUB_OFFLINE=1 http_proxy=http://127.0.0.1:9 \
   https_proxy=http://127.0.0.1:9 HTTP_PROXY=http://127.0.0.1:9 HTTPS_PROXY=http://127.0.0.1:9 no_proxy= \
   PYTHON="$VENV/bin/python" DEVICE=cpu SCALE=small OUT="$OUT" BUDGET_S="$BUDGET_S" bash bench/gpu_check.sh
+# A measurement inside a step that ran can still have failed (a verb's error is recorded, not raised, so
+# that a GPU run keeps the step's other figures); here, on known inputs, every one must succeed.
+if grep -Eq '"errors"|"error": ["{]' "$OUT/gpu-check.jsonl"; then
+  grep -Eo '"errors?": ["{][^}]{0,300}' "$OUT/gpu-check.jsonl" | head -3 >&2
+  echo "gpu rehearsal failed: a measurement reported an error ($OUT/gpu-check.jsonl)" >&2
+  exit 1
+fi
 echo "gpu rehearsal passed: $OUT/summary.json" >&2

@@ -144,13 +144,16 @@ def recording_reporter():
     return RecordingReporter()
 
 
-@pytest.fixture
-def text_file(tmp_path) -> Path:
+def write_text_corpus(path: Path) -> Path:
     """A tiny generated ASCII corpus (400 lines, about 22,000 characters), the same on every machine."""
-    path = tmp_path / "text.txt"
     path.write_text("".join(f"Line {i}: the quick brown fox jumps over the lazy dog {i * 7 % 13}.\n"
                             for i in range(400)))
     return path
+
+
+@pytest.fixture
+def text_file(tmp_path) -> Path:
+    return write_text_corpus(tmp_path / "text.txt")
 
 
 @pytest.fixture
@@ -194,6 +197,23 @@ def built_library(tiny_llama_dir, text_file, tiny_recipe_file, tmp_path) -> Path
                                       "--keep-activations"])
     assert result.exit_code == 0, result.output
     return out
+
+
+def library_workspace(root: Path, model: Path, *extra: str) -> dict[str, Path]:
+    """The corpus, the tiny recipe and a BLD library of `model` built under `root` with its own cache
+    (`extra`: more `distill --bld` options); for module-wide workspaces that each case copies from."""
+    from typer.testing import CliRunner
+
+    from mlxkit.cli.main import app
+
+    text, recipe, lib = write_text_corpus(root / "text.txt"), root / "tiny.yaml", root / "lib"
+    recipe.write_text(TINY_PUZZLE_RECIPE)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MLXKIT_CACHE", str(root / "cache"))
+        built = CliRunner().invoke(app, ["distill", "--bld", "--model", str(model), "--recipe", str(recipe),
+                                         "--data", str(text), "--out", str(lib), "--quiet", *extra])
+    assert built.exit_code == 0, built.output
+    return {"text": text, "recipe": recipe, "lib": lib}
 
 
 def tiny_layer0_states(n: int = 6, seq_len: int = 24):

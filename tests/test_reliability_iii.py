@@ -203,7 +203,7 @@ import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
-from conftest import TINY_PUZZLE_RECIPE, make_char_tokenizer, make_tiny_llama  # noqa: E402
+from conftest import TINY_PUZZLE_RECIPE, library_workspace, make_char_tokenizer, make_tiny_llama  # noqa: E402
 from mlxkit.cli.main import app  # noqa: E402
 
 runner = CliRunner()
@@ -222,18 +222,8 @@ def ws(tmp_path_factory) -> dict[str, Path]:
         loud.lm_head.weight.mul_(1e5)  # finite weights whose logits put the NLL far past exp's range
     loud.save_pretrained(root / "loud")
     make_char_tokenizer().save_pretrained(root / "loud")
-    text = root / "text.txt"
-    text.write_text("".join(f"Line {i}: the quick brown fox jumps over the lazy dog {i * 7 % 13}.\n"
-                            for i in range(400)))
-    recipe = root / "tiny.yaml"
-    recipe.write_text(TINY_PUZZLE_RECIPE)
-    lib = root / "lib"
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("MLXKIT_CACHE", str(root / "cache"))
-        built = runner.invoke(app, ["distill", "--bld", "--model", str(paths["base"]), "--recipe", str(recipe),
-                                    "--data", str(text), "--out", str(lib), "--quiet", "--keep-activations"])
-    assert built.exit_code == 0, built.output
-    return {"root": root, **paths, "loud": root / "loud", "text": text, "recipe": recipe, "lib": lib}
+    built = library_workspace(root, paths["base"], "--keep-activations")
+    return {"root": root, **paths, "loud": root / "loud", **built}
 
 
 OUT = "{out}"

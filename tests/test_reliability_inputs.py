@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from conftest import TINY_PUZZLE_RECIPE, make_char_tokenizer, make_tiny_llama
+from conftest import TINY_PUZZLE_RECIPE, library_workspace, make_char_tokenizer, make_tiny_llama
 from mlxkit.cli.main import app
 
 runner = CliRunner()
@@ -38,21 +38,11 @@ def ws(tmp_path_factory) -> dict[str, Path]:
     model = root / "tiny"
     make_tiny_llama().save_pretrained(model)
     make_char_tokenizer().save_pretrained(model)
-    text = root / "text.txt"
-    text.write_text("".join(f"Line {i}: the quick brown fox jumps over the lazy dog {i * 7 % 13}.\n"
-                            for i in range(400)))
-    recipe = root / "tiny.yaml"
-    recipe.write_text(TINY_PUZZLE_RECIPE)
-    lib = root / "lib"
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("MLXKIT_CACHE", str(root / "cache"))
-        built = runner.invoke(app, ["distill", "--bld", "--model", str(model), "--recipe", str(recipe),
-                                    "--data", str(text), "--out", str(lib), "--quiet"])
-    assert built.exit_code == 0, built.output
+    built = library_workspace(root, model)
     wide = root / "wide"  # same vocabulary, a different hidden size
     make_tiny_llama(hidden_size=48, num_attention_heads=4, num_key_value_heads=2).save_pretrained(wide)
     make_char_tokenizer().save_pretrained(wide)
-    return {"root": root, "model": model, "text": text, "recipe": recipe, "lib": lib, "wide": wide}
+    return {"root": root, "model": model, **built, "wide": wide}
 
 
 def _copy_model(ws, name: str) -> Path:
