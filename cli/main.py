@@ -91,7 +91,7 @@ def _register() -> None:
     from mlxkit.cli import eval as eval_cmd
     from mlxkit.cli import export
     from mlxkit.cli import fetch, finetune
-    from mlxkit.cli import merge, recipes
+    from mlxkit.cli import merge, recipes, report
     from mlxkit.cli import search
     from mlxkit.cli import solve
 
@@ -103,6 +103,7 @@ def _register() -> None:
     app.command("finetune", help=finetune.__doc__)(finetune.finetune_command)
     app.command("merge", help=merge.__doc__)(merge.merge_command)
     app.command("recipes", help=recipes.__doc__)(recipes.recipes_command)
+    app.command("report", help=report.__doc__)(report.report_command)
     app.command("search", help=search.__doc__)(search.search_command)
     app.command("solve", help=solve.__doc__)(solve.solve_command)
 

@@ -35,7 +35,7 @@ def search_command(
     ctx: typer.Context,
     target: Annotated[str, typer.Option("--target", "-t", help="Hardware profile name (h100, h200, a100-80gb, l40s, cpu, ...) or YAML path.")] = "h100",
     model: Annotated[str, typer.Option("--model", "-m", help="Parent model.")] = "smollm2-135m",
-    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Where to save the child checkpoint. Default: ./puzzle-child-TARGET.")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Where to save the child checkpoint. Default: ./puzzle-child-TARGET. With a frontier (several --throughput, --dry-run): a report directory for frontier.json and its picture.")] = None,
     throughput: Annotated[Optional[str], typer.Option("--throughput", help="Minimum throughput: tokens/s or a multiple of the parent's, e.g. 2x. Several, comma-separated, with --dry-run: the frontier.")] = None,
     memory: Annotated[Optional[str], typer.Option("--memory", help=f"Maximum memory: {SIZE_HELP}; e.g. 80GiB or 40GB.")] = None,
     latency: Annotated[Optional[str], typer.Option("--latency", help="Maximum runtime of one scenario batch, e.g. 30s.")] = None,
@@ -73,7 +73,8 @@ def search_command(
     verbose: VerboseOpt = False,
 ) -> None:
     from mlxkit.cli.search_render import render_costs, render_frontier, render_search
-    from mlxkit.engines.puzzle.search.run import SearchOptions, costs_only as price_only, run_search, search_frontier
+    from mlxkit.engines.puzzle.search.frontier import search_frontier, write_frontier_report
+    from mlxkit.engines.puzzle.search.run import SearchOptions, costs_only as price_only, run_search
 
     check_placement(device, dtype, save_dtype)
     output = Output(json_out, quiet, verbose)
@@ -93,7 +94,8 @@ def search_command(
     for name, flag in given_options(ctx, _GKD_ONLY if gkd_tokens is None else ()):
         raise fail(f"{flag} means nothing without --gkd-tokens, which would ignore it (it sets how the saved child "
                    "is distilled)")
-    for name, flag in given_options(ctx, _SAVED_ONLY if dry_run else ()):
+    frontier = throughput is not None and "," in throughput
+    for name, flag in given_options(ctx, _SAVED_ONLY if dry_run and not frontier else ()):
         raise fail(f"{flag} means nothing with --dry-run, which saves no child and would ignore it")
     try:
         sweep = tuple(int(b) for b in batch_sweep.split(",")) if batch_sweep else ()
@@ -108,10 +110,14 @@ def search_command(
                             allow_pickle=allow_pickle, gkd_tokens=gkd_tokens, gkd_recipe=gkd_recipe,
                             gkd_overrides=flags_and_overrides({}, gkd_set), export=export, export_dtype=export_dtype or "f32", engine=engine,
                             device=device, dtype=dtype, save_dtype=save_dtype, sharding=sharding, refine=refine)
-    if throughput is not None and "," in throughput:
+    if frontier:
         if not dry_run:
             raise fail("several --throughput targets draw the frontier: add --dry-run (one checkpoint per run)")
-        result = search_frontier(options, [t.strip() for t in throughput.split(",")], reporter)
+        with claimed_output(out, kind="dir", inputs=[model, library, data]) as report_dir:
+            result = search_frontier(options, [t.strip() for t in throughput.split(",")], reporter)
+            if report_dir is not None and result:
+                result["report"] = {"out": str(report_dir),
+                                    **write_frontier_report(report_dir, result, options, overwrite=overwrite)}
         output.emit(result, lambda r: render_frontier(r, console))
         return
     with claimed_output(options.out, kind="dir", inputs=[model, library, data]):

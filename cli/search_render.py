@@ -109,6 +109,10 @@ def render_frontier(result: dict, console: Console) -> None:
                       _num((row["num_params"] or 0) / 1e6, 1),
                       _num(row["estimate_corrected"] if corrected else row["objective"]), mix["attention"], mix["ffn"])
     console.print(table)
+    report = result.get("report")
+    if report:
+        drawn = ", ".join(report["drawn"]) or f"no picture ({report['skipped']})"
+        console.print(f"[green]report[/green] {report['out']}: frontier.json, {drawn}")
 
 
 def render_costs(report: dict, console: Console) -> None:

@@ -43,6 +43,16 @@ def isolated_cache(tmp_path_factory, monkeypatch) -> Path:
     return root
 
 
+@pytest.fixture(autouse=True)
+def _pictures_where_looked_at(request, monkeypatch) -> None:
+    """Outputs get their pictures only in tests marked `figures` (and in subprocesses): drawing costs about
+    0.4 s an output, and most tests write outputs without looking at them."""
+    if "figures" not in request.keywords:
+        from mlxkit.engines.core import figures
+
+        monkeypatch.setattr(figures, "draw_output_figures", lambda directory, manifest: figures.FigureSet())
+
+
 def use_real_cache(patch: pytest.MonkeyPatch) -> None:
     """Point MLXKIT_CACHE back at the user's cache (the one `make test`'s setup filled)."""
     if REAL_CACHE is None:

@@ -45,6 +45,9 @@ def test_the_ci_job_compresses_gates_and_leaves_the_child_with_its_card(parent, 
     assert {"config.json", "mlxkit.json", "README.md"} <= {p.name for p in child.iterdir()}
     front = yaml.safe_load((child / "README.md").read_text().split("---")[1])
     assert front["base_model"] == str(parent) and "mlxkit" in front["tags"]
+    # The job's own process draws the pictures the card embeds (the plots extra is installed).
+    for picture in ("architecture.png", "training.png"):
+        assert (child / picture).stat().st_size > 0 and f"({picture})" in (child / "README.md").read_text()
     # The CI log moves: timestamped stage lines on stderr, while stdout (the report) is JSON alone.
     assert re.search(r"^\[\d\d:\d\d:\d\d\] .*started", run.stderr, re.M), run.stderr[-1000:]
     evaluation = report.get("evaluation_after_gkd") or report["evaluation"]

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mlxkit.engines.core.figures import FigureSet
 
 CARD_NAME = "README.md"
 # Input roles that name the model an output was made from, in the order a card prefers them.
@@ -83,7 +86,8 @@ def evaluation_rows(manifest: dict[str, Any]) -> list[tuple[str, str, float]]:
     return rows
 
 
-def card_text(manifest: dict[str, Any], directory: Path) -> str:
+def card_text(manifest: dict[str, Any], directory: Path, figures: FigureSet | None = None) -> str:
+    """The card of the output in `directory`; `figures` are the pictures drawn beside it (or why none were)."""
     import yaml
 
     from mlxkit.engines.core.atomic import published_name
@@ -131,6 +135,12 @@ def card_text(manifest: dict[str, Any], directory: Path) -> str:
         if isinstance(predicted.get("speedup"), (int, float)):
             lines += ["", f"Predicted speedup: {predicted['speedup']:.3f}x."]
         lines.append("")
+    if figures is not None and (figures.drawn or figures.skipped):
+        lines += ["## Pictures", ""]
+        for figure in figures.drawn:
+            lines += [f"![{figure.title}]({figure.file})", ""]
+        if figures.skipped:
+            lines += [f"Pictures skipped: {figures.skipped}; `mlx report {name}` draws them afterwards.", ""]
     lines += ["## Use", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
               f'model = AutoModelForCausalLM.from_pretrained("{name}", trust_remote_code=True)',
               f'tokenizer = AutoTokenizer.from_pretrained("{name}")', "```", ""]
@@ -139,20 +149,22 @@ def card_text(manifest: dict[str, Any], directory: Path) -> str:
                   "`vllm serve nas --trust-remote-code` (vLLM builds no-op and GQA attention and SwiGLU FFNs). "
                   f"For llama.cpp: `mlx export {name} --format gguf` where the child has no linear "
                   "FFN (the search says which formats hold it).", ""]
-    lines += [f"Provenance (inputs with their content hashes, seeds and settings): `mlxkit.json`.", ""]
+    lines += ["Provenance (inputs with their content hashes, seeds and settings): `mlxkit.json`.", ""]
     return "\n".join(lines)
 
 
-def write_model_card(directory: Path, manifest: dict[str, Any]) -> Path | None:
-    """Write README.md into `directory` when it holds a model (an output directory mlxkit made whole)."""
+def write_model_card(directory: Path, manifest: dict[str, Any]) -> FigureSet | None:
+    """Draw the pictures, then write README.md, into `directory` when it holds a model (an output directory
+    mlxkit made whole, or one `mlx report` redraws); the pictures the card shows (None: no card)."""
     from mlxkit.engines.core.atomic import atomic_write_text
+    from mlxkit.engines.core.figures import draw_output_figures
 
     directory = Path(directory)
     if not holds_model(directory):
         return None
-    path = directory / CARD_NAME
-    atomic_write_text(path, card_text(manifest, directory))
-    return path
+    figures = draw_output_figures(directory, manifest)
+    atomic_write_text(directory / CARD_NAME, card_text(manifest, directory, figures))
+    return figures
 
 
 def _front_matter(text: str) -> dict[str, Any]:

@@ -470,31 +470,6 @@ def _shared_outcome(stage):
         return exc
 
 
-def search_frontier(options: SearchOptions, throughputs: list[str], reporter: Reporter | None = None) -> dict[str, Any]:
-    """Solve once per throughput target (no checkpoint): the predicted speed / memory / summed-score trade-off.
-
-    A target no child reaches is a row with its reason, not an error, so the frontier shows where it ends.
-    """
-    from mlxkit.engines.errors import InfeasibleError
-
-    rows = []
-    for throughput in throughputs:
-        try:
-            result = run_search(replace(options, out=None, throughput=throughput, gkd_tokens=None), reporter)
-        except InfeasibleError as exc:
-            rows.append({"throughput": throughput, "infeasible": str(exc)})
-            continue
-        if not result:
-            return {}  # a rank other than 0: rank 0 reports
-        predicted = result["predicted"]
-        rows.append({"throughput": throughput, "speedup": predicted["speedup"], "memory_mib": predicted["memory_mib"],
-                     "num_params": predicted["num_params"], "objective": result["objective"],
-                     "metric": result["metric"], "status": result["status"], "choices": result["choices"],
-                     "estimate_corrected": result["estimate_corrected"],
-                     "objective_isolated": result["objective_isolated"]})
-    return {"target": options.target, "frontier": rows}
-
-
 def _library(options: SearchOptions, reporter: Reporter, dist: Distributed) -> tuple[Path, BlockLibrary]:
     if options.library is not None:
         if not options.library.exists():
