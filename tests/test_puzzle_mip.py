@@ -116,7 +116,7 @@ def test_infeasible_caps_name_the_best_reachable_values():
     assert "runtime" not in message  # only the cap that cannot be met is blamed
     with pytest.raises(InfeasibleError, match=r"runtime ≤ .* the fastest reachable is .*ms"):
         Solver.build(problem).solve({"runtime_ms": problem.reachable("runtime_ms") - 1})
-    # In GiB, like the example.
+    # In GiB, as users write it.
     big = SearchProblem([Group(0, "block", (Option("x", 0.0, {"memory_mib": 14.2 * 1024}),))])
     with pytest.raises(InfeasibleError, match=r"memory ≤ 10\.0 GiB is infeasible: the smallest reachable is 14\.2 GiB"):
         solve(big, {"memory_mib": 10 * 1024})

@@ -15,7 +15,8 @@ from typing import Any
 
 from mlxkit.engines.core.progress import Reporter
 from mlxkit.engines.errors import InputError
-from mlxkit.engines.export.plan import ExportPlan, ModelDescription, nas_ffn_mult
+from mlxkit.engines.export.description import ExportPlan, ModelDescription
+from mlxkit.engines.models.decilm.blocks import nas_ffn_mult
 from mlxkit.engines.export.remote_code import remote_code_files
 from mlxkit.engines.io.lazy_loader import LazyTensorLoader
 from mlxkit.engines.io.tensor_writer import TensorWriter

@@ -8,14 +8,15 @@ before any output exists, and a refusal names every layer it concerns.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from mlxkit.engines.core.progress import Reporter
 from mlxkit.engines.errors import InputError
+from mlxkit.engines.export.description import ExportPlan, Layer, ModelDescription, Rope, layer_list
+from mlxkit.engines.export.gguf_layers import plan_gguf_layers
 from mlxkit.engines.io.lazy_loader import ShardedTensorIndex
-from mlxkit.engines.models.decilm.blocks import AttentionVariant, FFNVariant
+from mlxkit.engines.models.decilm.blocks import AttentionVariant, FFNVariant, nas_width_ok
 
 ExportFormat = Literal["gguf", "nemotron-nas", "hf"]
 ExportDtype = Literal["f32", "f16", "q8_0"]
@@ -27,73 +28,6 @@ NAS_WIDTH_MULTIPLE = 256
 # Tensors a checkpoint may carry that no format needs (buffers some older savers kept).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 ROPE_TYPES_GGUF = ("default", "linear", "llama3")
-
-
-@dataclass(frozen=True)
-class Layer:
-    """One decoder layer of the model: its attention and FFN variants."""
-
-    index: int
-    attention: AttentionVariant
-    ffn: FFNVariant
-
-
-@dataclass(frozen=True)
-class Rope:
-    """The model's RoPE, as transformers 5 keeps it in `config.rope_parameters`."""
-
-    rope_type: str
-    theta: float
-    parameters: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class ModelDescription:
-    """Everything an export needs to know before reading a tensor."""
-
-    spec: str
-    directory: Path
-    config: Any                      # the MlxDeciLMConfig (a parent's is its uniform child config)
-    source_config: dict[str, Any]    # config.json as stored
-    is_child: bool
-    layers: tuple[Layer, ...]
-    rope: Rope
-    index: ShardedTensorIndex
-    expected: dict[str, tuple[int, ...]]   # tensor name -> shape, every tensor the layers need
-    optional: frozenset[str]               # expected names that may be absent (then zeros)
-
-    @property
-    def hidden_size(self) -> int:
-        return int(self.config.hidden_size)
-
-    @property
-    def num_heads(self) -> int:
-        return int(self.config.num_attention_heads)
-
-    @property
-    def head_dim(self) -> int:
-        return int(self.config.head_dim)
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.config.vocab_size)
-
-    @property
-    def tied(self) -> bool:
-        return bool(self.config.tie_word_embeddings)
-
-
-@dataclass(frozen=True)
-class ExportPlan:
-    """A checked export: the model, the format, the type, and how each layer is written."""
-
-    model: ModelDescription
-    format: str
-    dtype: str
-    out: Path
-    notes: list[str] = field(default_factory=list)
-    gguf_layers: tuple[Any, ...] = ()   # gguf_export.GGUFLayer per layer (gguf only)
-    vocab: Any = None                   # gguf_vocab.GGUFVocab (gguf only)
 
 
 def describe_model(spec: str, reporter: Reporter | None = None) -> ModelDescription:
@@ -208,21 +142,6 @@ def _some(items: list[str], limit: int = 6) -> str:
     return ", ".join(items[:limit]) + more
 
 
-def nas_ffn_mult(width: int, hidden_size: int) -> float:
-    """The `ffn_mult` that Nemotron-NAS readers turn back into `width` (checked by `nas_width_ok`)."""
-    return round(3 * width / (2 * hidden_size), 6)
-
-
-def nas_width_ok(width: int, hidden_size: int) -> bool:
-    """Whether DeciLM's rule, ceil_256(int(2·mult·hidden/3)), gives back exactly `width`."""
-    mult = nas_ffn_mult(width, hidden_size)
-    decoded = FFNVariant.from_block_config({"ffn_mult": mult}, hidden_size).intermediate_size
-    # llama.cpp's converter applies the same rule in its own words; both must agree.
-    llama_cpp = int(2 * mult * hidden_size / 3)
-    llama_cpp = llama_cpp if llama_cpp % 256 == 0 else llama_cpp + 256 - llama_cpp % 256
-    return decoded == width == llama_cpp
-
-
 def ffn_expressible(fmt: str, ffn: FFNVariant, hidden_size: int) -> bool:
     """Whether `fmt` can hold an FFN of this variant (`mlx search --export` searches only these)."""
     if fmt == "gguf":
@@ -230,10 +149,6 @@ def ffn_expressible(fmt: str, ffn: FFNVariant, hidden_size: int) -> bool:
     if fmt == "nemotron-nas":
         return ffn.kind != "mlp" or nas_width_ok(ffn.intermediate_size, hidden_size)  # type: ignore[arg-type]
     return True
-
-
-def layer_list(indices: list[int]) -> str:
-    return ", ".join(str(i) for i in indices)
 
 
 def check_options(fmt: str, dtype: str) -> None:
@@ -351,7 +266,6 @@ def _plan(spec: str, fmt: str, dtype: str, out_path: Path, reporter: Reporter | 
     notes = check_format(model, fmt, dtype)
     if fmt != "gguf":
         return ExportPlan(model, fmt, dtype, out_path, notes)
-    from mlxkit.engines.export.gguf_export import plan_gguf_layers
     from mlxkit.engines.export.gguf_vocab import build_vocab
 
     gguf_layers, layer_notes = plan_gguf_layers(model)

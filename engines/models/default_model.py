@@ -82,8 +82,7 @@ def _convert(name: str, kwargs: dict, target: Path, *, origin: str, reporter: Re
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from mlxkit.engines.models.loading import forget_gguf_quantization
-    from mlxkit.engines.models.saving import save_model_files
+    from mlxkit.engines.models.saving import forget_gguf_quantization, save_model_files
 
     try:
         model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, **kwargs)

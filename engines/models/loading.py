@@ -21,6 +21,7 @@ from mlxkit.engines.errors import InputError, ModelLoadError, NonFiniteError, Of
 from mlxkit.engines.io.safetensors_header import validate_safetensors_dir
 from mlxkit.engines.models import default_model
 from mlxkit.engines.models.hub import hub_offline_by_env, hub_reachable
+from mlxkit.engines.models.saving import forget_gguf_quantization
 
 if TYPE_CHECKING:
     import torch
@@ -240,14 +241,6 @@ def check_finite_files(directory: Path, spec: str) -> None:
                 tensor = handle.get_tensor(name)
                 if tensor.is_floating_point() and not torch.isfinite(tensor).all():
                     raise NonFiniteError(f"model '{spec}' has NaN or infinite values in '{name}'")
-
-
-def forget_gguf_quantization(model) -> None:
-    """A dequantised GGUF is a plain float model: drop the quantiser so it saves like one."""
-    quant = getattr(model.config, "quantization_config", None)
-    if quant is not None and dict(quant).get("quant_method") == "gguf":
-        del model.config.quantization_config
-        model.hf_quantizer = None
 
 
 def _first_line(exc: BaseException) -> str:

@@ -11,6 +11,14 @@ from mlxkit.engines.core.manifest import Manifest
 DEFAULT_SHARD_SIZE = "2GB"
 
 
+def forget_gguf_quantization(model) -> None:
+    """A dequantised GGUF is a plain float model: drop the quantiser so it saves like one."""
+    quant = getattr(model.config, "quantization_config", None)
+    if quant is not None and dict(quant).get("quant_method") == "gguf":
+        del model.config.quantization_config
+        model.hf_quantizer = None
+
+
 def save_model_files(model, tokenizer, directory: str | os.PathLike, max_shard_size: str = DEFAULT_SHARD_SIZE) -> None:
     """Sharded safetensors with an index, config.json, generation_config.json and the tokenizer.
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlxkit.engines.errors import InputError
-from mlxkit.engines.models.decilm.blocks import AttentionVariant, FFNVariant
+from mlxkit.engines.models.decilm.blocks import AttentionVariant, FFNVariant, nas_width_ok
 from mlxkit.engines.models.families import sliding_window
 
 # RoPE scalings that vLLM's `get_rope` builds (vllm/model_executor/layers/rotary_embedding/__init__.py).
@@ -59,8 +59,6 @@ class ServingEngine:
         if variant.kind not in self.ffn:
             return False
         if variant.kind == "mlp" and self.nas_widths:
-            from mlxkit.engines.export.plan import nas_width_ok
-
             return nas_width_ok(int(variant.intermediate_size), hidden_size)  # type: ignore[arg-type]
         return True
 

@@ -187,6 +187,21 @@ def _decilm_ffn_width(ffn_mult: float, hidden_size: int) -> int:
     return int(math.ceil(width / 256) * 256)
 
 
+def nas_ffn_mult(width: int, hidden_size: int) -> float:
+    """The `ffn_mult` that Nemotron-NAS readers turn back into `width` (checked by `nas_width_ok`)."""
+    return round(3 * width / (2 * hidden_size), 6)
+
+
+def nas_width_ok(width: int, hidden_size: int) -> bool:
+    """Whether DeciLM's rule, ceil_256(int(2·mult·hidden/3)), gives back exactly `width`."""
+    mult = nas_ffn_mult(width, hidden_size)
+    decoded = FFNVariant.from_block_config({"ffn_mult": mult}, hidden_size).intermediate_size
+    # llama.cpp's converter applies the same rule in its own words; both must agree.
+    llama_cpp = int(2 * mult * hidden_size / 3)
+    llama_cpp = llama_cpp if llama_cpp % 256 == 0 else llama_cpp + 256 - llama_cpp % 256
+    return decoded == width == llama_cpp
+
+
 def parent_attention(parent: ParentShape) -> AttentionVariant:
     return AttentionVariant("gqa", parent.num_key_value_heads)
 
