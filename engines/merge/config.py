@@ -41,8 +41,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from mlxkit.engines.core.sizes import parse_bytes
-from mlxkit.engines.core.yaml_config import (load_yaml, looks_like_file, packaged_yaml, read_yaml_mapping,
-                                             read_yaml_text, validate_model)
+from mlxkit.engines.core.yaml_config import (looks_like_file, packaged_yaml, parse_overrides,
+                                             read_yaml_mapping, read_yaml_text, validate_model)
 from mlxkit.engines.errors import InputError, RecipeError
 from mlxkit.engines.merge.params import ALPHA, ALPHA_GRID_POINT, ParamDef
 from mlxkit.engines.merge.tokenizers import has_tokenizer_files
@@ -692,14 +692,18 @@ def config_from_options(*, models: list[str], recipe: Optional[str], base: Optio
             raise RecipeError(f"merge settings (recipe '{recipe}') is invalid: parameters: must be a mapping of "
                               f"parameter names to values, not a {type(parameters).__name__}")
         parameters = dict(parameters or {})
-        for item in params:
-            key, sep, raw = item.partition("=")
-            if not sep or not key.strip():
-                raise RecipeError(f"--param takes key=value (got '{item}')")
-            parameters[key.strip().replace("-", "_")] = _param_text(raw)
+        given: dict[str, Any] = {}
+        # Values are YAML scalars (`0.3`, `true`, `[{filter: mlp, value: 0.5}]`), read as every verb's --set is.
+        for key, value in parse_overrides(params, "--param").items():
+            name = key.replace("-", "_")
+            if name in given:
+                raise RecipeError(f"--param {name}= is given twice; give it once")
+            given[name] = value
         if common_frac is not None:
-            parameters["common_frac"] = common_frac  # text from the CLI: checked (and typed) like any parameter
-        data["parameters"] = parameters
+            if "common_frac" in given:
+                raise RecipeError("--common-frac and --param common_frac= both set common_frac; give one of them")
+            given["common_frac"] = common_frac  # text from the CLI: checked (and typed) like any parameter
+        data["parameters"] = {**parameters, **given}
     elif parameters is None:
         data.pop("parameters", None)  # mergekit writes `parameters:` with nothing under it for "none"
     # anything else (a list, a string) is left for the schema, which names `parameters` beside every other problem
@@ -719,12 +723,3 @@ def config_from_options(*, models: list[str], recipe: Optional[str], base: Optio
             data["tokenizer_source"] = tokenizer
     return validate_config(data, origin=f"recipe '{recipe}' with the command-line flags" if recipe
                            else "command line")
-
-
-def _param_text(raw: str) -> Any:
-    """`--param` values are YAML scalars (`0.3`, `true`, `[{filter: mlp, value: 0.5}]`); text YAML cannot
-    parse stays a string, and the parameter's own check then says what it should be."""
-    try:
-        return load_yaml(raw, "--param value")
-    except InputError:
-        return raw
