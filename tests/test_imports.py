@@ -5,6 +5,8 @@
 2. The subpackages of engines/ import each other without a cycle at module level. Imports
    inside functions (deferred, to keep `mlx --help` fast) and under `if TYPE_CHECKING:` do
    not run at import time and are left out of the graph.
+3. No module imports itself back through others, counting the deferred imports too: such a cycle
+   works only while every import in it stays deferred, and it hides which module owns what.
 """
 
 from __future__ import annotations
@@ -219,3 +221,30 @@ def test_the_scan_sees_what_it_should():
     assert len(problems) == 3, problems  # _check_hub, loading._first_line, cli._errors; not __version__ or merge's own
     assert _cycles({"a": {"b": ""}, "b": {"c": ""}, "c": {"a": ""}, "d": {"a": ""}}) == [["a", "b", "c"]]
     assert _subpackage("mlxkit.engines.errors") == "errors" and _subpackage("mlxkit.cli.main") is None
+
+
+def _module_graph() -> dict[str, dict[str, str]]:
+    """Module -> {mlxkit module it imports anywhere in its body, function bodies included: where}
+    (a package's name stands for its __init__)."""
+    graph: dict[str, dict[str, str]] = {name: {} for name in MODULES}
+    for name, module in MODULES.items():
+        for node in ast.walk(ast.parse(module.path.read_text(), filename=str(module.path))):
+            if isinstance(node, ast.ImportFrom):
+                source = _absolute(module, node)
+                targets = [f"{source}.{a.name}" if f"{source}.{a.name}" in MODULES else source for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                continue
+            for target in targets:
+                if target in MODULES and target != name:
+                    graph[name].setdefault(target, f"{module.path.relative_to(REPO)}:{node.lineno}")
+    return graph
+
+
+def test_no_module_imports_itself_back_even_through_deferred_imports():
+    graph = _module_graph()
+    assert sum(map(len, graph.values())) > 200, "the scan found too few imports"
+    cycles = _cycles(graph)
+    details = [f"{a} -> {b} ({graph[a][b]})" for cycle in cycles for a in cycle for b in graph[a] if b in cycle]
+    assert not cycles, f"import cycles between modules: {cycles}\n" + "\n".join(details)
