@@ -7,7 +7,6 @@ reason, not an error.
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -58,6 +57,6 @@ def write_frontier_report(out: Path, frontier: dict[str, Any], options: SearchOp
     manifest.results = frontier
     with atomic_output_dir(out, overwrite=overwrite) as staging:
         atomic_write_json(staging / FRONTIER_JSON, frontier, indent=2)
-        path = manifest.write(staging)
-        figures = draw_output_figures(staging, json.loads(path.read_text()))
+        manifest.write(staging)
+        figures = draw_output_figures(staging, manifest.to_dict())
     return {"drawn": [f.file for f in figures.drawn], "skipped": figures.skipped}
