@@ -158,3 +158,28 @@ def test_sampled_rows_do_not_depend_on_what_was_asked_before(isolated_cache):
                               reporter=reporter)
     assert torch.equal(converted, halves) and "cached at" in reporter.lines[0]
     assert large[::4, 0].eq(tokenizer.bos_token_id).all()  # each 256-token row starts at BOS
+
+
+def test_token_metrics_in_chunks_equal_the_whole_batch_at_once(monkeypatch):
+    """Sequence by sequence and in position chunks (4 rows, so chunks cut sequences), the sums equal
+    KL, NLL and top-1 agreement computed over the whole [B, T-1, V] tensors at once."""
+    from mlxkit.engines.eval import metrics
+
+    monkeypatch.setattr(metrics, "POSITION_CHUNK", 4)
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 10, 17, generator=generator, dtype=torch.float64).float() * 3
+    reference = torch.randn(3, 10, 17, generator=generator, dtype=torch.float64).float() * 3
+    ids = torch.randint(0, 17, (3, 10), generator=generator)
+    tracked = metrics.TokenMetrics()
+    tracked.update(logits[:2], ids[:2], reference[:2])
+    tracked.update(logits[2:], ids[2:], reference[2:])
+
+    logp = torch.log_softmax(logits[:, :-1].double(), -1)
+    ref_logp = torch.log_softmax(reference[:, :-1].double(), -1)
+    kl = torch.nn.functional.kl_div(logp, ref_logp, log_target=True, reduction="none").sum(-1).mean().item()
+    nll = torch.nn.functional.nll_loss(logp.reshape(-1, 17), ids[:, 1:].reshape(-1)).item()
+    agree = (logits[:, :-1].argmax(-1) == reference[:, :-1].argmax(-1)).double().mean().item()
+    assert tracked.positions == 27
+    assert tracked.kl_div == pytest.approx(kl, rel=1e-5)
+    assert tracked.nll == pytest.approx(nll, rel=1e-5)
+    assert tracked.top1_agreement == pytest.approx(agree, abs=1e-12)

@@ -55,20 +55,25 @@ class TokenMetrics:
     @torch.no_grad()
     def update(self, logits: torch.Tensor, input_ids: torch.Tensor,
                reference_logits: torch.Tensor | None = None) -> None:
-        """Add a batch: `logits` (and `reference_logits`) [B, T, V] for `input_ids` [B, T]."""
-        flat = predicting(logits)
-        targets = input_ids[:, 1:].reshape(-1).to(flat.device)
-        ref_flat = predicting(reference_logits) if reference_logits is not None else None
-        self.has_reference |= ref_flat is not None
-        for lo in range(0, flat.shape[0], POSITION_CHUNK):
-            chunk = flat[lo:lo + POSITION_CHUNK].float()
-            logp = F.log_softmax(chunk, dim=-1)
-            self.nll_sum += -logp.gather(-1, targets[lo:lo + POSITION_CHUNK, None]).sum().item()
-            if ref_flat is not None:
-                ref_chunk = ref_flat[lo:lo + POSITION_CHUNK].float()
-                self.kl_sum += kl_per_position(ref_chunk, chunk).sum().item()
-                self.agree += (ref_chunk.argmax(-1) == chunk.argmax(-1)).sum().item()
-        self.positions += flat.shape[0]
+        """Add a batch: `logits` (and `reference_logits`) [B, T, V] for `input_ids` [B, T].
+
+        Taken sequence by sequence: `logits[b, :-1]` is a view, where flattening the batch's predicting
+        positions would copy the whole [B·(T−1), V] tensor, once per model.
+        """
+        targets = input_ids[:, 1:].to(logits.device)
+        self.has_reference |= reference_logits is not None
+        for b in range(logits.shape[0]):
+            rows = logits[b, :-1]
+            ref_rows = reference_logits[b, :-1] if reference_logits is not None else None
+            for lo in range(0, rows.shape[0], POSITION_CHUNK):
+                chunk = rows[lo:lo + POSITION_CHUNK].float()
+                logp = F.log_softmax(chunk, dim=-1)
+                self.nll_sum += -logp.gather(-1, targets[b, lo:lo + POSITION_CHUNK, None]).sum().item()
+                if ref_rows is not None:
+                    ref_chunk = ref_rows[lo:lo + POSITION_CHUNK].float()
+                    self.kl_sum += kl_per_position(ref_chunk, chunk).sum().item()
+                    self.agree += (ref_chunk.argmax(-1) == chunk.argmax(-1)).sum().item()
+            self.positions += rows.shape[0]
 
     @property
     def nll(self) -> float:
