@@ -33,7 +33,7 @@ class SearchSpaceSpec(_Strict):
         return value
 
 
-class DataSpec(_Strict):
+class PuzzleData(_Strict):
     seq_len: int = Field(256, ge=8)
     train_sequences: int = Field(48, ge=1)
     score_sequences: int = Field(4, ge=1)
@@ -56,7 +56,7 @@ class PuzzleRecipe(_Strict):
     name: str
     description: str = ""
     search_space: SearchSpaceSpec = SearchSpaceSpec()
-    data: DataSpec = DataSpec()
+    data: PuzzleData = PuzzleData()
     bld: BLDSpec = BLDSpec()
     scoring: ScoringSpec = ScoringSpec()
 
