@@ -12,7 +12,7 @@ from safetensors import safe_open
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from mlxkit.engines.distill.recipe import load_distill_recipe
-from mlxkit.engines.distill.trainer import DistillationOptions, run_distillation, work_dir_for
+from mlxkit.engines.distill.trainer import DistillationOptions, DistillationRun, run_distillation
 from mlxkit.engines.errors import BackendError, InputError
 from mlxkit.engines.finetune.recipe import load_finetune_recipe
 from mlxkit.engines.finetune.trainer import FinetuneOptions, run_finetune
@@ -178,7 +178,7 @@ def test_cuda_on_a_machine_without_it_is_refused_before_anything_is_written(pair
     with pytest.raises(BackendError, match="no CUDA device"):
         run_distillation(DistillationOptions(mode="gkd", teacher=str(pair[0]), student=str(pair[1]),
                                              out=tmp_path / "out", recipe=loaded, data=text_file, device="cuda"))
-    assert not (tmp_path / "out").exists() and not work_dir_for(tmp_path / "out").exists()
+    assert not (tmp_path / "out").exists() and not DistillationRun.work_dir_for(tmp_path / "out").exists()
 
 
 # ----------------------------------------------------------------------------- the step loop's cadence

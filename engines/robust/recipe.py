@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mlxkit.engines.core.yaml_config import with_overrides
 from mlxkit.engines.errors import RecipeError
+from mlxkit.engines.training.spec import LrSchedule
 
 
 class _Strict(BaseModel):
@@ -86,10 +87,15 @@ class PhaseSpec(_Strict):
     lr: float = Field(gt=0, le=10, allow_inf_nan=False)
     schedule: Literal["constant", "cosine"] = "constant"
 
+    def lr_schedule(self) -> LrSchedule:
+        """The phase's rate on the trainers' shared schedule: `lr` throughout, or cosine from `lr` to 0; no warm-up."""
+        return LrSchedule(lr=self.lr, min_lr_factor=1.0 if self.schedule == "constant" else 0.0, warmup_fraction=0.0)
+
 
 class CrtSchedule(_Strict):
     eval_every: int = Field(100, ge=1)
     checkpoint_every: int = Field(50, ge=1)
+    checkpoint_minutes: float = Field(10.0, ge=0, allow_inf_nan=False)  # also after this much wall time; 0: off
 
 
 class CrtRecipe(_Strict):

@@ -16,6 +16,7 @@ import torch
 
 from mlxkit.engines.core.progress import Reporter
 from mlxkit.engines.errors import ResourceError
+from mlxkit.engines.training.device import Placement
 
 ADAMW_FLOAT32_COPIES = 3  # gradient, first and second moment
 
@@ -61,6 +62,17 @@ def check_fits(need: int, device: torch.device, what: str,
     if have is not None and need > have:
         where = "this machine" if device.type == "cpu" else f"{device} ({torch.cuda.get_device_name(device)})"
         raise ResourceError(f"{what} needs at least {_size(need)}, but {where} has {_size(have)}; {hint}")
+
+
+def check_training_fits(state: int, config, micro_batch: int, seq_len: int, placement: Placement, what: str, *,
+                        shards: int = 1, extra_elements_per_token: int = 0) -> None:
+    """Refuse a training run whose lower-bound memory exceeds its device's: `state` bytes (weights, gradients
+    and optimiser moments, split over `shards` ranks when sharded), one micro-batch's activations through
+    `config`'s decoder in the compute dtype, and `extra_elements_per_token` more elements per token of it."""
+    element = torch.finfo(placement.dtype).bits // 8
+    need = state // shards + activation_bytes(config, micro_batch, seq_len, element) + \
+        micro_batch * seq_len * extra_elements_per_token * element
+    check_fits(need, placement.device, what)
 
 
 def check_data_vs_batch(sequences: int, batch: int, reporter: Reporter, flag: str = "--batch") -> None:
