@@ -1,4 +1,5 @@
-"""Memory a training run needs, estimated before any work, against what the machine and device hold.
+"""Memory a training run needs, estimated before any work, against what the machine and device hold; and the
+peak a run reached, for its summary.
 
 The estimate counts the weights, the trainable parameters' gradients and AdamW moments (float32),
 and the activations of one micro-batch (the per-layer terms of Korthikanti et al., "Reducing
@@ -10,6 +11,8 @@ of the peak, so a run it refuses could never have fitted; a run it accepts can s
 from __future__ import annotations
 
 import os
+import resource
+import sys
 from typing import Optional
 
 import torch
@@ -31,6 +34,12 @@ def machine_memory_bytes() -> Optional[int]:
         return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident size (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1 << 20) if sys.platform == "darwin" else peak / 1024
 
 
 def device_memory_bytes(device: torch.device) -> Optional[int]:

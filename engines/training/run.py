@@ -11,9 +11,7 @@ manifest before the work directory goes.
 
 from __future__ import annotations
 
-import resource
 import shutil
-import sys
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -26,6 +24,7 @@ from mlxkit.engines.core.atomic import atomic_output_dir
 from mlxkit.engines.core.manifest import Manifest
 from mlxkit.engines.core.progress import Reporter
 from mlxkit.engines.errors import InputError
+from mlxkit.engines.training.budget import peak_rss_mib
 from mlxkit.engines.training.checkpoint import TrainingState
 from mlxkit.engines.training.checkpointer import Checkpointer
 from mlxkit.engines.training.device import Placement, training_placement
@@ -166,9 +165,3 @@ class TrainingRun(ABC):
             if isinstance(value, (torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler)):
                 delattr(self, name)
         self.dist.close()
-
-
-def peak_rss_mib() -> float:
-    """This process's peak resident size (ru_maxrss is KiB on Linux, bytes on macOS)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / (1 << 20) if sys.platform == "darwin" else peak / 1024
