@@ -19,7 +19,7 @@ from conftest import REPO, make_char_tokenizer, make_tiny_llama, save_with_token
 from mlxkit.cli.main import app
 from mlxkit.engines.distill.losses import cosine_distance_sum, logit_term_sums
 from mlxkit.engines.distill.recipe import load_distill_recipe
-from mlxkit.engines.distill.trainer import DistillationOptions, run_distillation, work_dir_for
+from mlxkit.engines.distill.trainer import DistillationOptions, DistillationRun, run_distillation
 from mlxkit.engines.training.schedule import batch_indices
 from mlxkit.engines.errors import InputError, RecipeError
 
@@ -97,7 +97,7 @@ def test_gkd_lowers_held_out_kl_and_writes_a_loadable_child_with_its_log(pair, t
     assert all("eval" in r for r in log if r["step"] in (0, 3, 6))
     manifest = json.loads((out / "mlxkit.json").read_text())
     assert manifest["results"]["steps"] == STEPS and manifest["inputs"]["teacher"]["hash"].startswith("sha256:")
-    assert not work_dir_for(out).exists()
+    assert not DistillationRun.work_dir_for(out).exists()
 
     # independent check: the saved child, loaded by transformers, against the teacher on the held-out text
     from transformers import AutoModelForCausalLM
@@ -117,7 +117,7 @@ def test_resumed_run_equals_an_uninterrupted_one(pair, text_file, tmp_path):
     run_distillation(_options(pair, text_file, straight))
     resumed = tmp_path / "resumed"
     assert run_distillation(_options(pair, text_file, resumed, stop_after_steps=3)) == {}
-    assert (work_dir_for(resumed) / "checkpoint").exists() and not resumed.exists()
+    assert (DistillationRun.work_dir_for(resumed) / "checkpoint").exists() and not resumed.exists()
     run_distillation(_options(pair, text_file, resumed))
     a, b = _weights(straight), _weights(resumed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -166,7 +166,7 @@ def test_kd_refuses_a_student_with_another_vocabulary(pair, text_file, tmp_path)
     other = save_with_tokenizer(make_tiny_llama(seed=2, vocab_size=100), tmp_path / "other")
     with pytest.raises(InputError, match="different vocabularies"):
         run_distillation(_options((pair[0], other), text_file, tmp_path / "out", mode="kd"))
-    assert not work_dir_for(tmp_path / "out").exists()
+    assert not DistillationRun.work_dir_for(tmp_path / "out").exists()
 
 
 def test_gkd_names_a_width_mismatch_as_such(pair, text_file, tmp_path):
@@ -201,7 +201,7 @@ def test_cli_gkd_end_to_end_and_clean_errors(pair, text_file, tmp_path):
     assert again.exit_code != 0 and "already exists" in again.output and "Traceback" not in again.output
     bad = runner.invoke(app, args[:-len(TINY)] + ["--set", "optim.nope=1"])
     assert bad.exit_code != 0 and "optim.nope" in bad.output
-    assert not work_dir_for(tmp_path / "cli-out").exists()
+    assert not DistillationRun.work_dir_for(tmp_path / "cli-out").exists()
 
 
 def test_data_is_read_from_token_shards_and_a_repeat_is_announced(pair, text_file, tmp_path):
@@ -220,7 +220,7 @@ def test_data_is_read_from_token_shards_and_a_repeat_is_announced(pair, text_fil
         train, val = split(pack(ids, 32), 2 / pack(ids, 32).shape[0], 0)
         assert torch.equal(run.val_ids, val)
         assert torch.equal(run.train_ids[list(range(train.shape[0]))], train)
-        assert (work_dir_for(tmp_path / "out") / "tokens.json").exists()
+        assert (DistillationRun.work_dir_for(tmp_path / "out") / "tokens.json").exists()
         # 400 steps of 4 sequences need 1,600 of the corpus's few hundred sequences: the repeat is said once.
         repeats = [line for line in notes.lines if "repeat" in line]
         assert len(repeats) == 1 and f"{train.shape[0] * 32:,} training tokens repeat" in repeats[0]

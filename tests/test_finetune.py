@@ -22,7 +22,7 @@ from mlxkit.engines.finetune.data import Batch, Examples
 from mlxkit.engines.finetune.model import build_model, fo_layer_parameters, load_classification_head
 from mlxkit.engines.finetune.recipe import load_finetune_recipe
 from mlxkit.engines.finetune.steps import MixOrderSplit, first_order_step, mix_order_step
-from mlxkit.engines.finetune.trainer import FinetuneOptions, FinetuneRun, run_finetune, work_dir_for
+from mlxkit.engines.finetune.trainer import FinetuneOptions, FinetuneRun, run_finetune
 from mlxkit.engines.finetune.zeroth_order import direction, mix_gradient, perturb_, spsa_losses
 
 runner = CliRunner()
@@ -208,7 +208,7 @@ def test_lora_lowers_held_out_loss_and_the_adapter_reloads_with_peft(tiny_llama_
     run.cleanup()
     assert {"adapter_config.json", "adapter_model.safetensors", "mlxkit.json", "finetune_log.jsonl"} <= \
         {p.name for p in out.iterdir()}
-    assert not work_dir_for(out).exists()
+    assert not FinetuneRun.work_dir_for(out).exists()
     base = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
     reloaded = PeftModel.from_pretrained(base, out).eval()
     with torch.no_grad():
@@ -247,7 +247,7 @@ def test_resumed_run_equals_an_uninterrupted_one(name, tiny_llama_dir, text_file
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run_finetune(_options(tiny_llama_dir, text_file, straight, name))
     assert run_finetune(_options(tiny_llama_dir, text_file, resumed, name, stop_after_steps=3)) == {}
-    assert (work_dir_for(resumed) / "checkpoint").exists() and not resumed.exists()
+    assert (FinetuneRun.work_dir_for(resumed) / "checkpoint").exists() and not resumed.exists()
     run_finetune(_options(tiny_llama_dir, text_file, resumed, name))
     if name == "full":
         a, b = load_file(straight / "model.safetensors"), load_file(resumed / "model.safetensors")
@@ -402,7 +402,7 @@ def test_bad_input_is_one_error_line_and_leaves_nothing(case, tiny_llama_dir, te
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], result.output
     assert "Traceback" not in result.output
-    assert not out.exists() and not work_dir_for(out).exists()
+    assert not out.exists() and not FinetuneRun.work_dir_for(out).exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
 
 

@@ -205,6 +205,22 @@ def test_bld_restores_the_initial_weights_when_training_makes_the_block_worse():
     assert info.reverted_to_init
 
 
+@pytest.mark.parametrize("grad_clip", [None, 0.25, 0.0])
+def test_bld_clips_the_gradient_at_the_recipe_s_limit(grad_clip, monkeypatch):
+    # Each step's clip must use bld.grad_clip (1.0 when the recipe leaves it out); 0 clips nothing.
+    limits = []
+    clip = torch.nn.utils.clip_grad_norm_
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_",
+                        lambda params, max_norm, *a, **k: limits.append(max_norm) or clip(params, max_norm, *a, **k))
+    parent, pos, x, y = _layer0_states()
+    block = initialise(parent_subblock(parent, 0, "ffn"), FFNVariant("mlp", 16), parent.config, 0, x, y)
+    settings = {} if grad_clip is None else {"grad_clip": grad_clip}
+    spec = BLDSpec(tokens_per_block=3 * 4 * x.shape[1], batch_sequences=4, lr=1e-2, **settings)
+    record = train_subblock(block, x, y, x, y, pos, spec, seed=0)
+    assert record.steps == 3
+    assert limits == ([] if grad_clip == 0.0 else [1.0 if grad_clip is None else grad_clip] * 3)
+
+
 @pytest.mark.distributed
 def test_two_process_torchrun_matches_single_process(tiny_llama_dir, tiny_recipe_file, text_file, tmp_path):
     single = tmp_path / "single"

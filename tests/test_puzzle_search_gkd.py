@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 import mlxkit  # noqa: F401
 from mlxkit.cli.main import app
-from mlxkit.engines.distill.trainer import DistillationRun, work_dir_for
+from mlxkit.engines.distill.trainer import DistillationRun
 from mlxkit.engines.puzzle.search.run import search_work_dir
 
 runner = CliRunner()
@@ -61,7 +61,7 @@ def test_one_command_gives_a_distilled_child_and_resumes_where_it_stopped(built_
     original = _interrupt_gkd_after(2, monkeypatch)
     assert _search(built_library, text_file, interrupted).exit_code == 130
     assert (search_work_dir(interrupted) / "child-before-gkd").exists()
-    assert (work_dir_for(interrupted) / "checkpoint").exists() and not interrupted.exists()
+    assert (DistillationRun.work_dir_for(interrupted) / "checkpoint").exists() and not interrupted.exists()
     monkeypatch.setattr(DistillationRun, "train_step", original)
     resumed = _search(built_library, text_file, interrupted)
     assert resumed.exit_code == 0, resumed.output

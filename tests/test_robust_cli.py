@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,8 @@ from typer.testing import CliRunner
 from mlxkit.cli.main import app
 from mlxkit.engines.finetune.recipe import load_finetune_recipe
 from mlxkit.engines.robust.classifier import load_classifier
-from mlxkit.engines.robust.trainer import CrtOptions, run_crt, work_dir_for
+from mlxkit.engines.robust.recipe import PhaseSpec
+from mlxkit.engines.robust.trainer import CrtOptions, CrtRun, run_crt
 
 runner = CliRunner()
 FAST = {"train.steps": 6, "finetune.steps": 6, "optim.batch_size": 16, "schedule.eval_every": 3,
@@ -62,6 +64,24 @@ def _accuracy(model_dir: Path, data: Path) -> float:
     return float((predicted == arrays["y"][:count]).mean())
 
 
+def _crt_phase_rate(step: int, phase: PhaseSpec) -> float:
+    """The rate crt's phases have always used: constant, or cosine from lr to 0 over the phase with no warm-up."""
+    if phase.schedule == "constant":
+        return phase.lr
+    return phase.lr * (0.5 * (1 + math.cos(math.pi * (step / phase.steps))))
+
+
+@pytest.mark.parametrize("schedule", ["constant", "cosine"])
+def test_crt_phase_rates_on_the_shared_schedule_equal_crt_s_formula(schedule):
+    shipped = load_finetune_recipe("crt")
+    phases = [shipped.train, shipped.finetune, PhaseSpec(steps=7, lr=3.0, schedule=schedule),
+              PhaseSpec(steps=1, lr=0.05, schedule=schedule)]
+    for phase in phases:
+        phase = phase.model_copy(update={"schedule": schedule})
+        rates = [phase.lr_schedule().lr_at(step, phase.steps) for step in range(phase.steps)]
+        assert rates == [_crt_phase_rate(step, phase) for step in range(phase.steps)], phase
+
+
 def test_train_then_new_attack_writes_reloadable_models(files):
     first = files["root"] / "linf"
     result = _invoke(["--model", str(files["mlp"]), "--data", str(files["train"]), "--eval-data", str(files["test"]),
@@ -72,7 +92,7 @@ def test_train_then_new_attack_writes_reloadable_models(files):
     assert summary["attacks"] == ["linf"] and summary["attack_counts"] == {"linf": 6}
     assert json.loads((first / "config.json").read_text())["model_type"] == "mlx_robust_classifier"
     assert _accuracy(first, files["test"]) == pytest.approx(summary["after"]["clean"], abs=1e-6)
-    assert not work_dir_for(first).exists()
+    assert not CrtRun.work_dir_for(first).exists()
 
     second = files["root"] / "linf-l2"
     result = _invoke(["--model", str(first), "--data", str(files["train"]), "--eval-data", str(files["test"]),
@@ -118,7 +138,7 @@ def test_resumed_run_ends_with_the_same_weights(files):
     run_crt(options(whole))
     cut = files["root"] / "cut"
     assert run_crt(options(cut, stop_after_steps=3)) == {}
-    assert not cut.exists() and (work_dir_for(cut) / "checkpoint").exists()
+    assert not cut.exists() and (CrtRun.work_dir_for(cut) / "checkpoint").exists()
     run_crt(options(cut))
     a, b = load_file(str(whole / "model.safetensors")), load_file(str(cut / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from conftest import REPO, make_tiny_llama
 from mlxkit.engines.distill.recipe import load_distill_recipe
-from mlxkit.engines.distill.trainer import DistillationOptions, run_distillation, work_dir_for
+from mlxkit.engines.distill.trainer import DistillationOptions, DistillationRun, run_distillation
 from mlxkit.engines.finetune.recipe import load_finetune_recipe
 from mlxkit.engines.finetune.trainer import FinetuneOptions, run_finetune
 
@@ -136,7 +136,7 @@ def test_a_sharded_run_resumes_exactly_and_refuses_another_world_size(pair, text
     _torchrun(driver, _kd_spec(pair, text_file, straight), port=29573)
     resumed = tmp_path / "resumed"
     _torchrun(driver, _kd_spec(pair, text_file, resumed, stop_after_steps=3), port=29574)
-    checkpoint = work_dir_for(resumed) / "checkpoint"
+    checkpoint = DistillationRun.work_dir_for(resumed) / "checkpoint"
     assert json.loads((checkpoint / "state.json").read_text())["step"] == 3 and not resumed.exists()
     assert sorted(p.name for p in checkpoint.glob("rng-rank*.pt")) == ["rng-rank0.pt", "rng-rank1.pt"]
     # One process cannot take over two processes' shards.

@@ -12,11 +12,13 @@ from safetensors import safe_open
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from mlxkit.engines.distill.recipe import load_distill_recipe
-from mlxkit.engines.distill.trainer import DistillationOptions, run_distillation, work_dir_for
+from mlxkit.engines.distill.trainer import DistillationOptions, DistillationRun, run_distillation
 from mlxkit.engines.errors import BackendError, InputError
 from mlxkit.engines.finetune.recipe import load_finetune_recipe
 from mlxkit.engines.finetune.trainer import FinetuneOptions, run_finetune
 from mlxkit.engines.training import distributed as distributed_module
+from mlxkit.engines.training.checkpoint import TrainingState
+from mlxkit.engines.training.checkpointer import Checkpointer
 from mlxkit.engines.training.device import Placement, resolve_device, resolve_dtype
 from mlxkit.engines.training.distributed import Distributed, cpu_threads_per_rank
 from mlxkit.engines.training.step import check_global_batch
@@ -178,7 +180,7 @@ def test_cuda_on_a_machine_without_it_is_refused_before_anything_is_written(pair
     with pytest.raises(BackendError, match="no CUDA device"):
         run_distillation(DistillationOptions(mode="gkd", teacher=str(pair[0]), student=str(pair[1]),
                                              out=tmp_path / "out", recipe=loaded, data=text_file, device="cuda"))
-    assert not (tmp_path / "out").exists() and not work_dir_for(tmp_path / "out").exists()
+    assert not (tmp_path / "out").exists() and not DistillationRun.work_dir_for(tmp_path / "out").exists()
 
 
 # ----------------------------------------------------------------------------- the step loop's cadence
@@ -222,3 +224,41 @@ def test_a_log_torn_below_its_checkpoint_is_restored_from_the_copy_taken_with_it
     (tmp_path / "log.jsonl.at-checkpoint").write_text(records[0] + "\n")
     with pytest.raises(InputError, match="lost records"):
         truncate_log(log, 4)
+
+
+def _two_layers(seed: int) -> torch.nn.Sequential:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    model[0].requires_grad_(False)  # a frozen base under an adapter
+    return model
+
+
+def test_a_plain_checkpoint_of_the_trainable_tensors_restores_them_and_leaves_the_frozen_ones(tmp_path):
+    trained = _two_layers(0)
+    optimizer = torch.optim.AdamW([p for p in trained.parameters() if p.requires_grad], lr=0.1)
+    trained(torch.ones(1, 4)).sum().backward()
+    optimizer.step()
+    expected = {name: tensor.clone() for name, tensor in trained.state_dict().items()}
+    Checkpointer(tmp_path, Distributed(), sharded=False, trainable_only=True).save(
+        trained, optimizer, TrainingState(5, 40, 6, {"train_seconds": 1.5}))
+
+    fresh = _two_layers(1)
+    frozen = fresh[0].weight.clone()
+    fresh_optimizer = torch.optim.AdamW([p for p in fresh.parameters() if p.requires_grad], lr=0.1)
+    checkpointer = Checkpointer(tmp_path, Distributed(), sharded=False, trainable_only=True)
+    state = checkpointer.load(fresh, fresh_optimizer)
+    assert state == TrainingState(5, 40, 6, {"train_seconds": 1.5})
+    assert torch.equal(fresh[1].weight, expected["1.weight"]) and torch.equal(fresh[1].bias, expected["1.bias"])
+    assert torch.equal(fresh[0].weight, frozen) and not torch.equal(frozen, expected["0.weight"])
+    assert fresh_optimizer.state_dict()["state"][0]["step"] == 1
+    # a model that was never sharded is written as it is: nothing is rebuilt
+    assert checkpointer.unsharded(fresh, lambda: pytest.fail("rebuilt a model that was never sharded")) is fresh
+
+
+def test_a_plain_checkpoint_is_written_by_rank_0_alone(tmp_path):
+    model = _two_layers(0)
+    optimizer = torch.optim.SGD(model[1].parameters(), lr=0.1)
+    Checkpointer(tmp_path, Distributed(rank=1, world_size=2), sharded=False).save(
+        model, optimizer, TrainingState(1, 1, 1, {}))
+    assert not (tmp_path / "checkpoint").exists()
+    assert Checkpointer(tmp_path, Distributed(), sharded=False).load(model, optimizer) is None

@@ -38,7 +38,7 @@ class LossSpec(_Strict):
         return self
 
 
-class DataSpec(_Strict):
+class DistillData(_Strict):
     seq_len: int = Field(512, ge=2, le=1 << 20)
     held_out_sequences: int = Field(4, ge=1)
     # Training blocks are drawn from the first this-many tokens of --data (at least the run's budget):
@@ -47,7 +47,7 @@ class DataSpec(_Strict):
     corpus_tokens: int = Field(1 << 24, ge=0)
 
 
-class ScheduleSpec(_Strict):
+class DistillSchedule(_Strict):
     tokens: int = Field(65536, ge=1)
     eval_every: int = Field(8, ge=1)
     checkpoint_every: int = Field(200, ge=1)
@@ -64,9 +64,9 @@ class DistillRecipe(_Strict):
     name: str = "custom"
     description: str = ""
     loss: LossSpec = LossSpec()
-    data: DataSpec = DataSpec()
+    data: DistillData = DistillData()
     optim: OptimSpec = OptimSpec()
-    schedule: ScheduleSpec = ScheduleSpec()
+    schedule: DistillSchedule = DistillSchedule()
     gradient_checkpointing: GradientCheckpointing = "auto"  # of the student's decoder layers
     trainable: Trainable = "all"
     neighbours: int = Field(1, ge=0)

@@ -26,7 +26,6 @@ import contextlib
 import gc
 import json
 import math
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -40,18 +39,17 @@ from mlxkit.engines.distill.losses import cosine_distance_sum, logit_term_sums
 from mlxkit.engines.distill.recipe import DistillRecipe
 from mlxkit.engines.errors import InputError
 from mlxkit.engines.models.attention import prefer_sdpa
-from mlxkit.engines.training.checkpoint import TrainingState, load_checkpoint, save_checkpoint
+from mlxkit.engines.training.checkpointer import Checkpointer
 from mlxkit.engines.training.distributed import gradients
 from mlxkit.engines.training.run import TrainingOptions, TrainingRun
-from mlxkit.engines.training.loop import StepLoop, StepOutcome, log_interval, median
+from mlxkit.engines.training.loop import StepOutcome, log_interval
 from mlxkit.engines.training.schedule import batch_indices
 from mlxkit.engines.training.spec import build_adamw, gradient_checkpointing_on
-from mlxkit.engines.training.sharding import (build_sharded, full_state_dict, is_sharded, load_sharded_checkpoint,
-                                              meta_model, save_sharded_checkpoint, sharding_on)
+from mlxkit.engines.training.sharding import build_sharded, is_sharded, meta_model, sharding_on
 from mlxkit.engines.training.step import (check_global_batch, clip_and_step, decoder_states,
                                           enable_gradient_checkpointing, place_frozen, place_trainable,
-                                          release_training_state, set_learning_rate, term_sums)
-from mlxkit.engines.training.work import check_run_key, finished_run_key, refuse_existing_output, work_dir_beside
+                                          set_learning_rate, term_sums)
+from mlxkit.engines.training.work import check_run_key, finished_run_key, refuse_existing_output
 
 Mode = Literal["gkd", "kd"]
 LOG_NAME = "distill_log.jsonl"
@@ -76,14 +74,11 @@ class DistillationOptions(TrainingOptions):
     discard_other_runs: bool = False
 
 
-def work_dir_for(out: Path) -> Path:
-    return work_dir_beside(out, "distill")
-
-
 class DistillationRun(TrainingRun):
     """distill: setup, train and save over the shared training core."""
 
     work_kind = "distill"
+    log_name = LOG_NAME
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -170,28 +165,13 @@ class DistillationRun(TrainingRun):
         del student
         self.params = [p for p in self.student.parameters() if p.requires_grad]
         self.optimizer = build_adamw(self.params, spec)
-        self.state = TrainingState(0, 0, 0, {"train_seconds": 0.0})
-        resumed = self._load_checkpoint()
-        if resumed is not None:
-            self.state = resumed
-            self.reporter.notice(f"resuming {self.options.mode.upper()} at step {resumed.step} of {self.steps} "
-                                 f"from {self.work / 'checkpoint'}")
+        self.checkpointer = Checkpointer(self.work, self.dist, sharded=self.sharded)
+        self.start_or_resume(self.student, self.options.mode.upper(), self.steps)
 
     @property
     def _autocast(self):
         """Autocast lowers a replicated run's compute; a sharded run's lower-precision weights come from FSDP."""
         return contextlib.nullcontext() if self.sharded else self.placement.autocast()
-
-    def _load_checkpoint(self) -> TrainingState | None:
-        if self.sharded:
-            return load_sharded_checkpoint(self.work / "checkpoint", self.student, self.optimizer, self.dist)
-        return load_checkpoint(self.work / "checkpoint", self.student, self.optimizer)
-
-    def _save_checkpoint(self) -> None:
-        if self.sharded:
-            save_sharded_checkpoint(self.work / "checkpoint", self.student, self.optimizer, self.state, self.dist)
-        elif self.dist.is_main:
-            save_checkpoint(self.work / "checkpoint", self.student, self.optimizer, self.state)
 
     def _check_pair(self, t, teacher_tokenizer, s, student_tokenizer) -> None:
         """Teacher config `t` and student config `s` must share a vocabulary (and, for GKD, widths and depth)."""
@@ -214,7 +194,7 @@ class DistillationRun(TrainingRun):
         trains, one micro-batch's activations of the student, and the teacher's hidden states for the cosine."""
         from transformers import AutoModelForCausalLM
 
-        from mlxkit.engines.training.budget import activation_bytes, check_fits, optimiser_bytes
+        from mlxkit.engines.training.budget import check_training_fits, optimiser_bytes
 
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(student_config)
@@ -225,17 +205,14 @@ class DistillationRun(TrainingRun):
             trainable = sum(p.numel() for i in self.trained_layers for p in skeleton.model.layers[i].parameters())
         del skeleton
         spec = self.recipe.optim
-        micro, seq_len = min(spec.micro_batch_sequences, spec.batch_sequences), self.recipe.data.seq_len
-        element = torch.finfo(self.placement.dtype).bits // 8
         state = sum(p.numel() * p.element_size() for p in teacher.parameters()) + 4 * student + \
             optimiser_bytes(trainable)
-        if sharding_on(self.options.sharding, self.dist):
-            state //= self.dist.world_size
         hidden = getattr(student_config, "hidden_size", 0) * getattr(student_config, "num_hidden_layers", 0)
-        teacher_states = micro * seq_len * hidden * element if self.recipe.loss.cosine_weight > 0 else 0
-        need = state + activation_bytes(student_config, micro, seq_len, element) + teacher_states
-        check_fits(need, self.placement.device, f"{self.options.mode.upper()} of '{self.options.student}' against "
-                                                f"'{self.options.teacher}'")
+        check_training_fits(state, student_config, min(spec.micro_batch_sequences, spec.batch_sequences),
+                            self.recipe.data.seq_len, self.placement,
+                            f"{self.options.mode.upper()} of '{self.options.student}' against '{self.options.teacher}'",
+                            shards=self.dist.world_size if self.sharded else 1,
+                            extra_elements_per_token=hidden if self.recipe.loss.cosine_weight > 0 else 0)
 
     def _trained_layers(self, student_config) -> list[int] | None:
         """The decoder layers that train under `trainable: replaced_blocks` (None: every weight trains)."""
@@ -401,41 +378,29 @@ class DistillationRun(TrainingRun):
 
     def train(self) -> dict[str, Any] | None:
         """Run the remaining steps; returns the summary, or None when stopped early or on a non-main rank."""
-        schedule = self.recipe.schedule
-        loop = StepLoop(self.work / LOG_NAME, self.dist, self.reporter, self.state, self.steps, schedule.eval_every,
-                        schedule.checkpoint_every, self.options.stop_after_steps, collective=self.sharded,
-                        checkpoint_minutes=schedule.checkpoint_minutes,
-                        log_every=log_interval(self.placement.device), loss_name="the distillation loss")
+        loop = self.step_loop(self.steps, self.recipe.schedule, collective=self.sharded,
+                              log_every=log_interval(self.placement.device), loss_name="the distillation loss")
         tokens_per_step = self.recipe.optim.batch_sequences * self.seq_len
         finished = loop.run(title=f"{self.options.mode.upper()}: {self.steps} steps of {tokens_per_step} tokens",
                             step=self.train_step, evaluate=self.evaluate, optimizer=self.optimizer,
-                            checkpoint=self._save_checkpoint)
+                            checkpoint=lambda: self.checkpointer.save(self.student, self.optimizer, self.state))
         if finished:
             self.teacher = None  # the last evaluation is done: writing the output needs only the student
-            release_training_state(self.optimizer)
-        if finished and self.sharded:
-            self.full_state = full_state_dict(self.student)  # every rank takes part; rank 0 receives it
-        if not finished or not self.dist.is_main:
+        if not self.finish_training(finished, self.student):
             return None  # every rank meets the others again in cleanup()
         return self._summary(loop.records())
 
     def _summary(self, records: list[dict[str, Any]]) -> dict[str, Any]:
-        evals = [r for r in records if "eval" in r]
-        return {"mode": self.options.mode, "steps": self.steps, "tokens": self.state.tokens_seen,
-                "seq_len": self.seq_len, "batch_sequences": self.recipe.optim.batch_sequences,
-                "world_size": self.dist.world_size, "device": str(self.placement.device),
-                "compute_dtype": str(self.placement.dtype).removeprefix("torch."),
+        return {"mode": self.options.mode, "seq_len": self.seq_len,
+                "batch_sequences": self.recipe.optim.batch_sequences, **self.common_summary(records),
                 "saved_dtype": str(self.save_dtype).removeprefix("torch."),
-                "before": evals[0]["eval"], "after": evals[-1]["eval"],
-                "final_loss": records[-1].get("loss"),
-                "train_seconds": round(self.state.extra["train_seconds"], 3),
                 **({"teacher_cache": {"path": str(self.teacher_cache.path), "hits": self.teacher_cache.hits,
-                                      "misses": self.teacher_cache.misses}} if self.teacher_cache else {}),
-                "median_tokens_per_s": median([r["tokens_per_s"] for r in records if "tokens_per_s" in r])}
+                                      "misses": self.teacher_cache.misses}} if self.teacher_cache else {})}
 
     # ------------------------------------------------------------------ save
     def save(self, summary: dict[str, Any]) -> Path:
-        from mlxkit.engines.models.saving import save_model
+        from mlxkit.engines.models.loading import load_model
+        from mlxkit.engines.models.saving import save_model_files
 
         manifest = Manifest(verb="distill", started=self.started)
         manifest.add_input("teacher", self.options.teacher, self.teacher_source.path)
@@ -445,38 +410,18 @@ class DistillationRun(TrainingRun):
         manifest.seeds = {"seed": self.options.seed}
         manifest.settings = {"mode": self.options.mode, "recipe": self.recipe.model_dump(), "steps": self.steps,
                              "run_key": finished_run_key(self.work), **self.options.manifest_extra}
-        manifest.results = {**summary, "log": LOG_NAME}
-        student = self._unsharded_student() if self.sharded else self.student
+
+        def plain_student() -> tuple[torch.nn.Module, torch.nn.Module]:
+            """A plain copy of the student read on the CPU, for a sharded student's weights gathered onto rank 0."""
+            plain = load_model(self.student_source, with_tokenizer=False, allow_pickle=self.options.allow_pickle).model
+            return plain, plain
+
+        student = self.checkpointer.unsharded(self.student, plain_student)
         student.eval()
         student.generation_config = self.generation_config
-        log = self.work / LOG_NAME
-
-        # save_model writes to a temporary directory; the log travels inside it.
-        out = save_model(student, self.tokenizer, self.out, _ManifestWithLog(manifest, log),
-                         overwrite=self.options.overwrite, dtype=self.save_dtype)
-        shutil.rmtree(self.work, ignore_errors=True)
-        return out
-
-
-    def _unsharded_student(self):
-        """The trained weights, gathered on rank 0, in a plain (unsharded) copy of the student read on the CPU."""
-        from mlxkit.engines.models.loading import load_model
-
-        plain = load_model(self.student_source, with_tokenizer=False, allow_pickle=self.options.allow_pickle).model
-        plain.load_state_dict(self.full_state, strict=True)
-        self.full_state = {}
-        return plain
-
-
-class _ManifestWithLog:
-    """Writes the manifest and copies the training log into the output directory."""
-
-    def __init__(self, manifest: Manifest, log: Path):
-        self.manifest, self.log = manifest, log
-
-    def write(self, directory: Path) -> Path:
-        shutil.copyfile(self.log, Path(directory) / LOG_NAME)
-        return self.manifest.write(directory)
+        student.to(self.save_dtype)
+        student.config.dtype = self.save_dtype  # the weights and config.json say the same dtype
+        return self.write_output(manifest, summary, lambda tmp: save_model_files(student, self.tokenizer, tmp))
 
 
 def _source_key(source) -> dict[str, Any]:

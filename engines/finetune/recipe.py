@@ -48,17 +48,17 @@ class HTuningSpec(_Strict):
     fo_layers: int = Field(1, ge=0)
 
 
-class DataSpec(_Strict):
+class FinetuneData(_Strict):
     seq_len: int = Field(512, ge=2, le=1 << 20)     # packed length (causal LM) or truncation (classification)
     held_out_sequences: int = Field(8, ge=1)         # validation sequences / examples
     label_field: str = Field("label", min_length=1)  # classification JSONL field holding the label
 
 
-class FinetuneOptimSpec(OptimSpec):
+class FinetuneOptim(OptimSpec):
     betas: tuple[float, float] = (0.9, 0.999)  # torch's AdamW default, which fine-tuning has always used
 
 
-class ScheduleSpec(_Strict):
+class FinetuneSchedule(_Strict):
     steps: int = Field(100, ge=1)
     eval_every: int = Field(20, ge=1)
     checkpoint_every: int = Field(20, ge=1)
@@ -72,9 +72,9 @@ class FinetuneRecipe(_Strict):
     objective: Objective = "causal_lm"
     lora: Optional[LoraSpec] = LoraSpec()
     htuning: Optional[HTuningSpec] = None
-    data: DataSpec = DataSpec()
-    optim: FinetuneOptimSpec = FinetuneOptimSpec()
-    schedule: ScheduleSpec = ScheduleSpec()
+    data: FinetuneData = FinetuneData()
+    optim: FinetuneOptim = FinetuneOptim()
+    schedule: FinetuneSchedule = FinetuneSchedule()
     gradient_checkpointing: GradientCheckpointing = "auto"  # of the model's decoder layers
 
     @model_validator(mode="after")

@@ -17,16 +17,12 @@ created, so a refused run leaves nothing behind.
 from __future__ import annotations
 
 import contextlib
-import resource
-import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from mlxkit.engines.core.atomic import atomic_output_dir
 from mlxkit.engines.core.manifest import Manifest, content_hash
 from mlxkit.engines.core.progress import Reporter
 from mlxkit.engines.core.seeds import derive_seed
@@ -37,17 +33,16 @@ from mlxkit.engines.finetune.model import build_model, fo_layer_parameters, save
 from mlxkit.engines.finetune.recipe import FinetuneRecipe
 from mlxkit.engines.finetune.steps import MixOrderSplit, first_order_step, mix_order_step
 from mlxkit.engines.models.attention import prefer_sdpa
-from mlxkit.engines.training.budget import activation_bytes, check_data_vs_batch, check_fits, optimiser_bytes
-from mlxkit.engines.training.checkpoint import TrainingState, load_checkpoint, save_checkpoint
+from mlxkit.engines.training.budget import check_data_vs_batch, check_training_fits, optimiser_bytes
+from mlxkit.engines.training.checkpointer import Checkpointer
 from mlxkit.engines.training.run import TrainingOptions, TrainingRun
-from mlxkit.engines.training.loop import StepLoop, StepOutcome, log_interval, median
+from mlxkit.engines.training.loop import StepOutcome, log_interval
 from mlxkit.engines.training.schedule import batch_indices
 from mlxkit.engines.training.spec import build_adamw, gradient_checkpointing_on
-from mlxkit.engines.training.sharding import (build_sharded, full_state_dict, load_sharded_checkpoint, meta_model,
-                                              save_sharded_checkpoint, sharding_on)
+from mlxkit.engines.training.sharding import build_sharded, meta_model, sharding_on
 from mlxkit.engines.training.step import (check_global_batch, clip_and_step, enable_gradient_checkpointing,
-                                          place_trainable, release_training_state, set_learning_rate)
-from mlxkit.engines.training.work import check_run_key, finished_run_key, refuse_existing_output, work_dir_beside
+                                          place_trainable, set_learning_rate)
+from mlxkit.engines.training.work import check_run_key, finished_run_key, refuse_existing_output
 
 LOG_NAME = "finetune_log.jsonl"
 
@@ -64,14 +59,11 @@ class FinetuneOptions(TrainingOptions):
     allow_pickle: bool = False
 
 
-def work_dir_for(out: Path) -> Path:
-    return work_dir_beside(out, "finetune")
-
-
 class FinetuneRun(TrainingRun):
     """finetune: setup, train and save over the shared training core."""
 
     work_kind = "finetune"
+    log_name = LOG_NAME
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -134,12 +126,9 @@ class FinetuneRun(TrainingRun):
         self.optimizer = build_adamw(self.params, spec)
         check_run_key(self.work, self._run_key(), self.dist, overwrite=self.options.overwrite,
                       reporter=self.reporter)
-        self.state = TrainingState(0, 0, 0, {"train_seconds": 0.0})
-        resumed = self._load_checkpoint()
-        if resumed is not None:
-            self.state = resumed
-            self.reporter.notice(f"resuming {recipe.method} at step {resumed.step} of {self.steps} "
-                                 f"from {self.work / 'checkpoint'}")
+        self.checkpointer = Checkpointer(self.work, self.dist, sharded=self.sharded,
+                                         trainable_only=self.peft is not None)
+        self.start_or_resume(self.model, recipe.method, self.steps)
 
     def _check_budget(self, lm) -> None:
         """Refuse, before the optimiser allocates, a run the machine or device cannot hold; say when one batch
@@ -147,12 +136,10 @@ class FinetuneRun(TrainingRun):
         spec = self.recipe.optim
         weights = sum(p.numel() * p.element_size() for p in lm.parameters())
         state = weights + optimiser_bytes(sum(p.numel() for p in self.params))
-        if self.sharded:
-            state //= self.dist.world_size
-        micro = min(spec.micro_batch_sequences, spec.batch_sequences)
-        element = torch.finfo(self.placement.dtype).bits // 8
-        need = state + activation_bytes(lm.config, micro, self.recipe.data.seq_len, element)
-        check_fits(need, self.placement.device, f"{self.recipe.method} fine-tuning of '{self.options.model}'")
+        check_training_fits(state, lm.config, min(spec.micro_batch_sequences, spec.batch_sequences),
+                            self.recipe.data.seq_len, self.placement,
+                            f"{self.recipe.method} fine-tuning of '{self.options.model}'",
+                            shards=self.dist.world_size if self.sharded else 1)
         check_data_vs_batch(len(self.train_data), spec.batch_sequences, self.reporter)
 
     def _sharded(self) -> bool:
@@ -170,29 +157,14 @@ class FinetuneRun(TrainingRun):
         self.reporter.notice(f"{self.dist.world_size} processes keep full replicas: {reason}")
         return False
 
-    def _load_checkpoint(self) -> TrainingState | None:
-        if self.sharded:
-            return load_sharded_checkpoint(self.work / "checkpoint", self.model, self.optimizer, self.dist)
-        return load_checkpoint(self.work / "checkpoint", self.model, self.optimizer, trainable_only=self.peft is not None)
-
-    def _save_checkpoint(self) -> None:
-        if self.sharded:
-            save_sharded_checkpoint(self.work / "checkpoint", self.model, self.optimizer, self.state, self.dist)
-        elif self.dist.is_main:
-            save_checkpoint(self.work / "checkpoint", self.model, self.optimizer, self.state,
-                            trainable_only=self.peft is not None)
-
-    def _unsharded_model(self):
-        """Rank 0's plain copy of the trained model: the base read again on the CPU, made trainable the same way,
-        and given the gathered weights."""
+    def _plain_model(self) -> tuple[tuple[Any, Any], torch.nn.Module]:
+        """For a sharded run's weights gathered onto rank 0: the base read again on the CPU and made trainable
+        the same way, as (model, peft wrapper), with the language model the weights load into."""
         from mlxkit.engines.models.loading import load_model
 
         lm = load_model(self.source, with_tokenizer=False, allow_pickle=self.options.allow_pickle).model
         torch.manual_seed(derive_seed(self.options.seed, "finetune"))
-        model, peft = build_model(lm, self.recipe, self.labels, model_spec=f"model '{self.options.model}'")
-        lm.load_state_dict(self.full_state, strict=True)
-        self.full_state = {}
-        return model, peft
+        return build_model(lm, self.recipe, self.labels, model_spec=f"model '{self.options.model}'"), lm
 
     def _check_options(self) -> None:
         recipe, options = self.recipe, self.options
@@ -259,37 +231,21 @@ class FinetuneRun(TrainingRun):
 
     def train(self) -> dict[str, Any] | None:
         """Run the remaining steps; returns the summary, or None when stopped early or on a non-main rank."""
-        schedule = self.recipe.schedule
-        loop = StepLoop(self.work / LOG_NAME, self.dist, self.reporter, self.state, self.steps, schedule.eval_every,
-                        schedule.checkpoint_every, self.options.stop_after_steps, collective=self.sharded,
-                        checkpoint_minutes=schedule.checkpoint_minutes,
-                        log_every=log_interval(self.placement.device), loss_name="the fine-tuning loss")
+        loop = self.step_loop(self.steps, self.recipe.schedule, collective=self.sharded,
+                              log_every=log_interval(self.placement.device), loss_name="the fine-tuning loss")
         finished = loop.run(title=f"{self.recipe.method}: {self.steps} steps of {self.recipe.optim.batch_sequences} "
                                   "sequences", step=self.train_step, evaluate=self.evaluate, optimizer=self.optimizer,
-                            checkpoint=self._save_checkpoint)
-        if finished:
-            release_training_state(self.optimizer)
-        if finished and self.sharded:
-            self.full_state = full_state_dict(self.model.lm)  # every rank takes part; rank 0 receives it
-        if not finished or not self.dist.is_main:
+                            checkpoint=lambda: self.checkpointer.save(self.model, self.optimizer, self.state))
+        if not self.finish_training(finished, self.model.lm):
             return None  # every rank meets the others again in cleanup()
         return self._summary(loop.records())
 
     def _summary(self, records: list[dict[str, Any]]) -> dict[str, Any]:
-        evals = [r for r in records if "eval" in r]
-        total = sum(p.numel() for p in self.model.parameters())
-        trainable = sum(p.numel() for p in self.params)
-        return {"method": self.recipe.method, "objective": self.recipe.objective, "steps": self.steps,
-                "tokens": self.state.tokens_seen, "batch_sequences": self.recipe.optim.batch_sequences,
-                "seq_len": self.recipe.data.seq_len, "world_size": self.dist.world_size,
-                "device": str(self.placement.device), "compute_dtype": str(self.placement.dtype).removeprefix("torch."),
-                "saved_dtype": str(self.save_dtype).removeprefix("torch."),
-                "trainable_parameters": trainable, "parameters": total,
-                "before": evals[0]["eval"], "after": evals[-1]["eval"], "final_loss": records[-1].get("loss"),
-                "train_seconds": round(self.state.extra["train_seconds"], 3),
-                "median_step_s": median([r["step_s"] for r in records if "step_s" in r]),
-                "median_tokens_per_s": median([r["tokens_per_s"] for r in records if "tokens_per_s" in r]),
-                "peak_rss_mib": round(_peak_rss_mib(), 1)}
+        return {"method": self.recipe.method, "objective": self.recipe.objective,
+                "batch_sequences": self.recipe.optim.batch_sequences, "seq_len": self.recipe.data.seq_len,
+                **self.common_summary(records), "saved_dtype": str(self.save_dtype).removeprefix("torch."),
+                "trainable_parameters": sum(p.numel() for p in self.params),
+                "parameters": sum(p.numel() for p in self.model.parameters())}
 
     # ------------------------------------------------------------------ save
     def save(self, summary: dict[str, Any]) -> Path:
@@ -302,22 +258,10 @@ class FinetuneRun(TrainingRun):
         manifest.seeds = {"seed": options.seed}
         manifest.settings = {"recipe": self.recipe.model_dump(), "merge": options.merge,
                              "run_key": finished_run_key(self.work), **options.manifest_extra}
-        model, peft = self._unsharded_model() if self.sharded else (self.model, self.peft)
+        model, peft = self.checkpointer.unsharded((self.model, self.peft), self._plain_model)
         model.eval()
-        with atomic_output_dir(self.out, overwrite=options.overwrite) as tmp:
-            kind = save_outputs(model, peft, self.tokenizer, tmp, merge=options.merge, dtype=self.save_dtype)
-            summary["format"] = kind
-            manifest.results = {**summary, "log": LOG_NAME}
-            shutil.copyfile(self.work / LOG_NAME, tmp / LOG_NAME)
-            manifest.write(tmp)
-        shutil.rmtree(self.work, ignore_errors=True)
-        return self.out
-
-
-def _peak_rss_mib() -> float:
-    """This process's peak resident size (ru_maxrss is KiB on Linux, bytes on macOS)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / (1 << 20) if sys.platform == "darwin" else peak / 1024
+        return self.write_output(manifest, summary, lambda tmp: {
+            "format": save_outputs(model, peft, self.tokenizer, tmp, merge=options.merge, dtype=self.save_dtype)})
 
 
 def run_finetune(options: FinetuneOptions, reporter: Reporter | None = None) -> dict[str, Any]:

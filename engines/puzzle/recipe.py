@@ -33,7 +33,7 @@ class SearchSpaceSpec(_Strict):
         return value
 
 
-class DataSpec(_Strict):
+class PuzzleData(_Strict):
     seq_len: int = Field(256, ge=8)
     train_sequences: int = Field(48, ge=1)
     score_sequences: int = Field(4, ge=1)
@@ -45,6 +45,7 @@ class BLDSpec(_Strict):
     lr: float = Field(1e-3, gt=0)
     min_lr_factor: float = Field(0.1, ge=0, le=1)
     weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, ge=0, allow_inf_nan=False)  # the global gradient norm's limit; 0: no clipping
     train_linear: bool = False
 
 
@@ -56,7 +57,7 @@ class PuzzleRecipe(_Strict):
     name: str
     description: str = ""
     search_space: SearchSpaceSpec = SearchSpaceSpec()
-    data: DataSpec = DataSpec()
+    data: PuzzleData = PuzzleData()
     bld: BLDSpec = BLDSpec()
     scoring: ScoringSpec = ScoringSpec()
 

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mlxkit.engines.core.yaml_config import with_overrides
 from mlxkit.engines.errors import RecipeError
+from mlxkit.engines.training.spec import LrSchedule
 
 
 class _Strict(BaseModel):
@@ -59,19 +60,19 @@ class SamplerSpec(_Strict):
     probe_examples: int = Field(128, ge=1)                          # training examples that set its start
 
 
-class DataSpec(_Strict):
+class CrtData(_Strict):
     low: float = Field(0.0, allow_inf_nan=False)    # the valid input range every attack stays inside
     high: float = Field(1.0, allow_inf_nan=False)
     held_out_examples: int = Field(200, ge=1)       # evaluation examples (split off --data without --eval-data)
 
     @model_validator(mode="after")
-    def _ordered(self) -> "DataSpec":
+    def _ordered(self) -> "CrtData":
         if not self.low < self.high:
             raise ValueError(f"data.low ({self.low}) must be below data.high ({self.high})")
         return self
 
 
-class OptimSpec(_Strict):
+class CrtOptim(_Strict):
     optimizer: Literal["sgd", "adamw"] = "sgd"
     momentum: float = Field(0.9, ge=0, lt=1, allow_inf_nan=False)   # sgd only
     weight_decay: float = Field(5e-4, ge=0, le=1, allow_inf_nan=False)
@@ -86,10 +87,15 @@ class PhaseSpec(_Strict):
     lr: float = Field(gt=0, le=10, allow_inf_nan=False)
     schedule: Literal["constant", "cosine"] = "constant"
 
+    def lr_schedule(self) -> LrSchedule:
+        """The phase's rate on the trainers' shared schedule: `lr` throughout, or cosine from `lr` to 0; no warm-up."""
+        return LrSchedule(lr=self.lr, min_lr_factor=1.0 if self.schedule == "constant" else 0.0, warmup_fraction=0.0)
 
-class ScheduleSpec(_Strict):
+
+class CrtSchedule(_Strict):
     eval_every: int = Field(100, ge=1)
     checkpoint_every: int = Field(50, ge=1)
+    checkpoint_minutes: float = Field(10.0, ge=0, allow_inf_nan=False)  # also after this much wall time; 0: off
 
 
 class CrtRecipe(_Strict):
@@ -99,11 +105,11 @@ class CrtRecipe(_Strict):
     attacks: AttacksSpec = AttacksSpec()
     regularizer: RegularizerSpec = RegularizerSpec()
     sampler: SamplerSpec = SamplerSpec()
-    data: DataSpec = DataSpec()
-    optim: OptimSpec = OptimSpec()
+    data: CrtData = CrtData()
+    optim: CrtOptim = CrtOptim()
     train: PhaseSpec = PhaseSpec(steps=400, lr=0.05, schedule="cosine")
     finetune: PhaseSpec = PhaseSpec(steps=150, lr=0.005, schedule="constant")
-    schedule: ScheduleSpec = ScheduleSpec()
+    schedule: CrtSchedule = CrtSchedule()
 
     def with_overrides(self, overrides: dict[str, Any]) -> "CrtRecipe":
         """A copy with dotted keys replaced (`attacks.l2.budget=0.5`, `regularizer.kind=ur`), validated again."""

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mlxkit.engines.core.atomic import atomic_output_dir
 from mlxkit.engines.core.manifest import MANIFEST_NAME, Manifest, content_hash
 from mlxkit.engines.core.progress import Reporter
 from mlxkit.engines.core.seeds import derive_seed, seeded_generator
@@ -42,17 +40,18 @@ from mlxkit.engines.robust.classifier import (Classifier, build_classifier, is_c
                                               read_classifier_config, save_classifier_files)
 from mlxkit.engines.robust.data import read_npz, split_held_out
 from mlxkit.engines.robust.evaluation import robustness_report
-from mlxkit.engines.robust.recipe import CrtRecipe, PhaseSpec
+from mlxkit.engines.robust.recipe import CrtRecipe
 from mlxkit.engines.robust.regularizers import alr_point, logit_distance, uniform_point
 from mlxkit.engines.robust.sampler import ContinualSampler
-from mlxkit.engines.training.checkpoint import TrainingState, load_checkpoint, save_checkpoint
+from mlxkit.engines.training.checkpointer import Checkpointer
 from mlxkit.engines.training.device import Placement
 from mlxkit.engines.training.distributed import Distributed
 from mlxkit.engines.training.run import TrainingOptions, TrainingRun
-from mlxkit.engines.training.loop import StepLoop, StepOutcome, median
-from mlxkit.engines.training.schedule import batch_indices, warmup_cosine
+from mlxkit.engines.training.loop import StepOutcome
+from mlxkit.engines.training.schedule import batch_indices
+from mlxkit.engines.training.spec import build_optimizer
 from mlxkit.engines.training.step import clip_and_step, set_learning_rate
-from mlxkit.engines.training.work import check_run_key, finished_run_key, refuse_existing_output, work_dir_beside
+from mlxkit.engines.training.work import check_run_key, finished_run_key, refuse_existing_output
 
 LOG_NAME = "crt_log.jsonl"
 TRAINED_ATTACKS_KEY = "attacks_trained"  # manifest settings: every attack the model has been trained against
@@ -67,10 +66,6 @@ class CrtOptions(TrainingOptions):
     attacks: tuple[str, ...] = ()     # train: the attacks; finetune: the old attacks (default: the model's record)
     new_attack: str | None = None     # set: fine-tune for this attack
     eval_data: Path | None = None
-
-
-def work_dir_for(out: Path) -> Path:
-    return work_dir_beside(out, "crt")
 
 
 def build_attacks(recipe: CrtRecipe, names: list[str], *, for_eval: bool = False) -> dict[str, Attack]:
@@ -98,21 +93,17 @@ def trained_attacks(model_dir: Path) -> list[str] | None:
     return recorded
 
 
-def phase_learning_rate(step: int, phase: PhaseSpec) -> float:
-    """Constant, or cosine from `lr` down to 0 over the phase's steps."""
-    if phase.schedule == "constant":
-        return phase.lr
-    return warmup_cosine(step, phase.steps, phase.lr)
-
-
 class CrtRun(TrainingRun):
     """crt: setup, train and save over the shared training core."""
 
     work_kind = "crt"
+    log_name = LOG_NAME
+
     def __init__(self, options: CrtOptions, reporter: Reporter | None = None):
         super().__init__(options, reporter)
         self.phase_name = "train" if options.new_attack is None else "finetune"
         self.phase = self.recipe.train if options.new_attack is None else self.recipe.finetune
+        self.lr_schedule = self.phase.lr_schedule()
 
     def resolve_placement(self) -> Placement:
         # The classifier trains in float32: its ops are too small for a lower precision to pay.
@@ -161,17 +152,16 @@ class CrtRun(TrainingRun):
             self.eval_data.to(self.placement.device)
         self.attacks = build_attacks(recipe, self.attack_names)
         self.eval_attacks = build_attacks(recipe, self.attack_names, for_eval=True)
-        self.optimizer = self._optimizer()
+        spec = recipe.optim
+        self.optimizer = build_optimizer(self.model.parameters(), spec.optimizer, lr=self.phase.lr,
+                                         weight_decay=spec.weight_decay, momentum=spec.momentum)
         self.sampler = ContinualSampler({name: 0.0 for name in self.attack_names}, recipe.sampler.momentum)
         check_run_key(self.work, self._run_key(), self.dist, overwrite=self.options.overwrite,
                       reporter=self.reporter)
-        self.state = TrainingState(0, 0, 0, {"train_seconds": 0.0})
-        resumed = load_checkpoint(self.work / "checkpoint", self.model, self.optimizer)
+        self.checkpointer = Checkpointer(self.work, self.dist, sharded=False)
+        resumed = self.start_or_resume(self.model, f"crt {self.phase_name}", self.phase.steps)
         if resumed is not None:
-            self.state = resumed
             self.sampler = ContinualSampler.from_state(resumed.extra["sampler"])
-            self.reporter.notice(f"resuming crt {self.phase_name} at step {resumed.step} of {self.phase.steps} "
-                                 f"from {self.work / 'checkpoint'}")
 
     def _check_attack_names(self) -> None:
         options = self.options
@@ -197,13 +187,6 @@ class CrtRun(TrainingRun):
             raise InputError(f"the model is already trained against '{options.new_attack}' "
                              f"(old attacks: {', '.join(old)})")
         return [*old, options.new_attack], old
-
-    def _optimizer(self) -> torch.optim.Optimizer:
-        spec = self.recipe.optim
-        params = list(self.model.parameters())
-        if spec.optimizer == "adamw":
-            return torch.optim.AdamW(params, lr=self.phase.lr, weight_decay=spec.weight_decay)
-        return torch.optim.SGD(params, lr=self.phase.lr, momentum=spec.momentum, weight_decay=spec.weight_decay)
 
     def _run_key(self) -> dict[str, Any]:
         def hashed(path: Path | None) -> Any:
@@ -241,7 +224,7 @@ class CrtRun(TrainingRun):
         name = self.sampler.choose(seeded_generator(seed, "crt-attack", phase, step))
         attack = self.attacks[name]
         generator = seeded_generator(seed, "crt-perturb", phase, step)
-        set_learning_rate(self.optimizer, phase_learning_rate(step, self.phase))
+        set_learning_rate(self.optimizer, self.lr_schedule.lr_at(step, self.phase.steps))
         x_adv = attack.perturb(self.model, x, cross_entropy_objective(y), generator)
         logits = self.model(x_adv)
         adversarial = F.cross_entropy(logits, y)
@@ -268,9 +251,7 @@ class CrtRun(TrainingRun):
 
     def train(self) -> dict[str, Any] | None:
         """Run the remaining steps; returns the summary, or None when stopped early."""
-        every = self.recipe.schedule
-        loop = StepLoop(self.work / LOG_NAME, self.dist, self.reporter, self.state, self.phase.steps,
-                        every.eval_every, every.checkpoint_every, self.options.stop_after_steps, unit="examples")
+        loop = self.step_loop(self.phase.steps, self.recipe.schedule, unit="examples")
 
         def first_record() -> dict[str, Any]:
             self._initial_accuracy()
@@ -279,24 +260,18 @@ class CrtRun(TrainingRun):
         finished = loop.run(title=f"crt {self.phase_name} ({','.join(self.attack_names)}): {self.phase.steps} steps",
                             step=self.train_step, evaluate=self.evaluate, optimizer=self.optimizer,
                             first_record=first_record,
-                            checkpoint=lambda: save_checkpoint(self.work / "checkpoint", self.model, self.optimizer,
-                                                               self.state))
-        return self._summary(loop.records()) if finished else None
+                            checkpoint=lambda: self.checkpointer.save(self.model, self.optimizer, self.state))
+        return self._summary(loop.records()) if self.finish_training(finished, self.model) else None
 
     def _summary(self, records: list[dict[str, Any]]) -> dict[str, Any]:
-        evals = [r["eval"] for r in records if "eval" in r]
-        steps = [r for r in records if "step_s" in r]
-        counts = {name: sum(1 for r in steps if r["attack"] == name) for name in self.attack_names}
+        counts = {name: sum(1 for r in records if "step_s" in r and r["attack"] == name) for name in self.attack_names}
         return {"method": "crt", "phase": self.phase_name, "attacks": self.attack_names,
                 "old_attacks": self.old_attacks, "new_attack": self.options.new_attack,
                 "regularizer": self.recipe.regularizer.kind, "regularizer_weight": self.recipe.regularizer.weight,
-                "steps": self.phase.steps, "examples": self.state.tokens_seen,
+                **self.common_summary(records, unit="examples"),
                 "parameters": sum(p.numel() for p in self.model.parameters()),
                 "attack_counts": counts, "sampler": {"accuracy": self.sampler.accuracy,
-                                                     "probabilities": self.sampler.probabilities()},
-                "before": evals[0], "after": evals[-1],
-                "train_seconds": round(self.state.extra["train_seconds"], 3),
-                "median_step_s": median([r["step_s"] for r in steps])}
+                                                     "probabilities": self.sampler.probabilities()}}
 
     # ------------------------------------------------------------------ save
     def save(self, summary: dict[str, Any]) -> Path:
@@ -312,13 +287,8 @@ class CrtRun(TrainingRun):
                              "run_key": finished_run_key(self.work),
                              **options.manifest_extra}
         self.model.eval()
-        with atomic_output_dir(self.out, overwrite=options.overwrite) as tmp:
-            save_classifier_files(self.model, tmp)
-            manifest.results = {**summary, "log": LOG_NAME}
-            shutil.copyfile(self.work / LOG_NAME, tmp / LOG_NAME)
-            manifest.write(tmp, card=False)  # a classifier of arrays, not a model the Hub's card fields describe
-        shutil.rmtree(self.work, ignore_errors=True)
-        return self.out
+        # a classifier of arrays, not a model the Hub's card fields describe: no card
+        return self.write_output(manifest, summary, lambda tmp: save_classifier_files(self.model, tmp), card=False)
 
 
 def run_crt(options: CrtOptions, reporter: Reporter | None = None) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Memory a training run needs, estimated before any work, against what the machine and device hold.
+"""Memory a training run needs, estimated before any work, against what the machine and device hold; and the
+peak a run reached, for its summary.
 
 The estimate counts the weights, the trainable parameters' gradients and AdamW moments (float32),
 and the activations of one micro-batch (the per-layer terms of Korthikanti et al., "Reducing
@@ -10,12 +11,15 @@ of the peak, so a run it refuses could never have fitted; a run it accepts can s
 from __future__ import annotations
 
 import os
+import resource
+import sys
 from typing import Optional
 
 import torch
 
 from mlxkit.engines.core.progress import Reporter
 from mlxkit.engines.errors import ResourceError
+from mlxkit.engines.training.device import Placement
 
 ADAMW_FLOAT32_COPIES = 3  # gradient, first and second moment
 
@@ -30,6 +34,12 @@ def machine_memory_bytes() -> Optional[int]:
         return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident size (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1 << 20) if sys.platform == "darwin" else peak / 1024
 
 
 def device_memory_bytes(device: torch.device) -> Optional[int]:
@@ -61,6 +71,17 @@ def check_fits(need: int, device: torch.device, what: str,
     if have is not None and need > have:
         where = "this machine" if device.type == "cpu" else f"{device} ({torch.cuda.get_device_name(device)})"
         raise ResourceError(f"{what} needs at least {_size(need)}, but {where} has {_size(have)}; {hint}")
+
+
+def check_training_fits(state: int, config, micro_batch: int, seq_len: int, placement: Placement, what: str, *,
+                        shards: int = 1, extra_elements_per_token: int = 0) -> None:
+    """Refuse a training run whose lower-bound memory exceeds its device's: `state` bytes (weights, gradients
+    and optimiser moments, split over `shards` ranks when sharded), one micro-batch's activations through
+    `config`'s decoder in the compute dtype, and `extra_elements_per_token` more elements per token of it."""
+    element = torch.finfo(placement.dtype).bits // 8
+    need = state // shards + activation_bytes(config, micro_batch, seq_len, element) + \
+        micro_batch * seq_len * extra_elements_per_token * element
+    check_fits(need, placement.device, what)
 
 
 def check_data_vs_batch(sequences: int, batch: int, reporter: Reporter, flag: str = "--batch") -> None:

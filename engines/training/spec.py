@@ -1,4 +1,5 @@
-"""The optimiser settings every language-model trainer reads from its recipe (`optim:`), and the optimiser they build."""
+"""The optimiser settings the trainers read from their recipes (`optim:`), the learning-rate schedule, and the
+optimiser they build."""
 
 from __future__ import annotations
 
@@ -14,12 +15,24 @@ from mlxkit.engines.training.schedule import warmup_cosine
 GradientCheckpointing = Union[bool, Literal["auto"]]
 
 
-class OptimSpec(BaseModel):
+class LrSchedule(BaseModel):
+    """The learning rate as a pure function of the step: a linear warm-up over `warmup_fraction` of the steps,
+    then cosine decay from `lr` to `min_lr_factor · lr`. A factor of 1 holds the rate at `lr` (no warm-up then
+    means a constant rate), a factor of 0 decays it to zero."""
+
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    lr: float = Field(1e-4, gt=0, le=1, allow_inf_nan=False)
+    lr: float = Field(1e-4, gt=0, allow_inf_nan=False)
     min_lr_factor: float = Field(0.1, ge=0, le=1)
     warmup_fraction: float = Field(0.05, ge=0, lt=1)
+
+    def lr_at(self, step: int, total_steps: int) -> float:
+        return warmup_cosine(step, total_steps, self.lr, min_factor=self.min_lr_factor,
+                             warmup_steps=int(round(self.warmup_fraction * total_steps)))
+
+
+class OptimSpec(LrSchedule):
+    lr: float = Field(1e-4, gt=0, le=1, allow_inf_nan=False)
     weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False)
     grad_clip: float = Field(1.0, ge=0, allow_inf_nan=False)
     batch_sequences: int = Field(4, ge=1)
@@ -27,15 +40,18 @@ class OptimSpec(BaseModel):
     betas: tuple[float, float] = (0.9, 0.95)
 
 
-    def lr_at(self, step: int, total_steps: int) -> float:
-        """Linear warm-up over `warmup_fraction` of the steps, then cosine decay to `min_lr_factor` of the peak."""
-        return warmup_cosine(step, total_steps, self.lr, min_factor=self.min_lr_factor,
-                             warmup_steps=int(round(self.warmup_fraction * total_steps)))
+def build_optimizer(params: Iterable[torch.nn.Parameter], kind: Literal["adamw", "sgd"], *, lr: float,
+                    weight_decay: float, betas: tuple[float, float] = (0.9, 0.999),
+                    momentum: float = 0.0) -> torch.optim.Optimizer:
+    """AdamW (with `betas`) or SGD (with `momentum`) over `params`; the step's rate is set by `LrSchedule`."""
+    if kind == "adamw":
+        return torch.optim.AdamW(list(params), lr=lr, weight_decay=weight_decay, betas=betas)
+    return torch.optim.SGD(list(params), lr=lr, momentum=momentum, weight_decay=weight_decay)
 
 
-def build_adamw(params: Iterable[torch.nn.Parameter], spec: OptimSpec) -> torch.optim.AdamW:
+def build_adamw(params: Iterable[torch.nn.Parameter], spec: OptimSpec) -> torch.optim.Optimizer:
     """AdamW over `params` (float32 master weights, so its state is float32 too)."""
-    return torch.optim.AdamW(list(params), lr=spec.lr, weight_decay=spec.weight_decay, betas=spec.betas)
+    return build_optimizer(params, "adamw", lr=spec.lr, weight_decay=spec.weight_decay, betas=spec.betas)
 
 
 def gradient_checkpointing_on(setting: GradientCheckpointing, device: torch.device) -> bool:

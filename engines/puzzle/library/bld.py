@@ -24,6 +24,7 @@ from mlxkit.engines.puzzle.recipe import BLDSpec
 from mlxkit.engines.puzzle.subblocks import Subblock
 from mlxkit.engines.training.device import Placement
 from mlxkit.engines.training.schedule import warmup_cosine
+from mlxkit.engines.training.step import clip_and_step, set_learning_rate
 
 EPS = 1e-12
 MAX_CURVE_POINTS = 40
@@ -107,10 +108,8 @@ def train_subblock(block: Subblock, inputs: torch.Tensor, targets: torch.Tensor,
         loss = normalized_mse(prediction, targets[index])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        for group in optimizer.param_groups:
-            group["lr"] = warmup_cosine(step, steps, spec.lr, min_factor=spec.min_lr_factor)
-        optimizer.step()
+        set_learning_rate(optimizer, warmup_cosine(step, steps, spec.lr, min_factor=spec.min_lr_factor))
+        clip_and_step(optimizer, params, spec.grad_clip)
         if step % every == 0 or step == steps - 1:
             curve.append((step, round(loss.item(), 6)))
     block.eval()

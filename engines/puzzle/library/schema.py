@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from mlxkit.engines.errors import InputError
 from mlxkit.engines.hardware.scenario import Scenario
 from mlxkit.engines.models.decilm.blocks import AttentionVariant, BlockChoice, FFNVariant, ParentShape
-from mlxkit.engines.puzzle.recipe import BLDSpec, DataSpec, PuzzleRecipe, SearchSpaceSpec
+from mlxkit.engines.puzzle.recipe import BLDSpec, PuzzleData, PuzzleRecipe, SearchSpaceSpec
 
 LIBRARY_FORMAT = "mlxkit.block_library"
 LIBRARY_VERSION = 1
@@ -142,7 +142,7 @@ class RunKey(_Strict):
     parent: str  # fingerprint of the parent's weights
     data: dict[str, str] | Literal["sampled"]
     seed: int
-    data_settings: DataSpec
+    data_settings: PuzzleData
     train: bool
     bld: BLDSpec
     search_space: SearchSpaceSpec
