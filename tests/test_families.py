@@ -332,3 +332,26 @@ def test_engines_without_gemma_layers_refuse_a_gemma2_parent_and_its_export(tmp_
         result = runner.invoke(app, ["export", str(child), "--format", fmt, "--out", str(out)])
         assert result.exit_code == 2 and "norm after each subblock" in result.output, result.output
         assert not out.exists()
+
+
+def test_gkd_logit_kl_sees_gemma2s_final_logit_cap():
+    """The chunked logit KL equals the KL between the two models' own forward logits, which Gemma 2
+    caps; the raw vocabulary projection's logits give another value."""
+    from mlxkit.engines.distill.losses import logit_term_sums
+    from mlxkit.engines.eval.metrics import kl_per_position
+    from mlxkit.engines.models.heads import OutputHead
+    from mlxkit.engines.training.step import decoder_states
+
+    teacher, student = tiny_parent("gemma2", seed=0), tiny_parent("gemma2", seed=1)
+    ids = random_ids()
+    with torch.no_grad():
+        expected = kl_per_position(teacher(input_ids=ids).logits[:, :-1].reshape(-1, 128),
+                                   student(input_ids=ids).logits[:, :-1].reshape(-1, 128)).sum()
+        _, teacher_final = decoder_states(teacher, ids)
+        _, student_final = decoder_states(student, ids)
+        capped = logit_term_sums(student_final, teacher_final, ids, OutputHead(student), OutputHead(teacher),
+                                 chunk=7).kl
+        raw = logit_term_sums(student_final, teacher_final, ids, student.get_output_embeddings(),
+                              teacher.get_output_embeddings(), chunk=7).kl
+    assert capped.item() == pytest.approx(expected.item(), rel=1e-4)
+    assert abs(raw.item() - expected.item()) > 1e-2 * expected.item()

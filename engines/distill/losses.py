@@ -15,13 +15,16 @@ forward may run under bfloat16 autocast), on the device of the hidden states.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from mlxkit.engines.eval.metrics import kl_from_log_probs
+
+# Final hidden states -> logits, as the model's forward computes them (`models.heads.OutputHead`).
+Head = Callable[[torch.Tensor], torch.Tensor]
 
 LOGIT_CHUNK = 512  # positions per chunk: [512, 49152] float32 is 100 MB per tensor
 
@@ -41,7 +44,7 @@ class LogitTermSums:
 
 
 def _chunk_sums(student_h: torch.Tensor, teacher_h: torch.Tensor, targets: torch.Tensor,
-                student_head: torch.nn.Module, teacher_head: torch.nn.Module, temperature: float,
+                student_head: Head, teacher_head: Head, temperature: float,
                 with_kl: bool, with_nll: bool) -> tuple[torch.Tensor, torch.Tensor]:
     logits = student_head(student_h).float()
     kl = nll = logits.new_zeros((), dtype=torch.float32)
@@ -55,7 +58,7 @@ def _chunk_sums(student_h: torch.Tensor, teacher_h: torch.Tensor, targets: torch
 
 
 def logit_term_sums(student_final: torch.Tensor, teacher_final: torch.Tensor, input_ids: torch.Tensor,
-                    student_head: torch.nn.Module, teacher_head: torch.nn.Module, *, temperature: float = 1.0,
+                    student_head: Head, teacher_head: Head, *, temperature: float = 1.0,
                     with_kl: bool = True, with_nll: bool = False, chunk: int = LOGIT_CHUNK) -> LogitTermSums:
     """KL and NLL sums over the positions that predict a next token (all but the last of each sequence).
 
@@ -101,7 +104,7 @@ def top_k_kl(teacher_top_logp: torch.Tensor, teacher_top_index: torch.Tensor,
 
 
 def _cached_chunk_sums(student_h: torch.Tensor, top_logp: torch.Tensor, top_index: torch.Tensor,
-                       targets: torch.Tensor, student_head: torch.nn.Module, temperature: float,
+                       targets: torch.Tensor, student_head: Head, temperature: float,
                        with_nll: bool) -> tuple[torch.Tensor, torch.Tensor]:
     logits = student_head(student_h).float()
     kl = top_k_kl(top_logp, top_index, F.log_softmax(logits / temperature, dim=-1)).sum() * temperature ** 2
@@ -110,7 +113,7 @@ def _cached_chunk_sums(student_h: torch.Tensor, top_logp: torch.Tensor, top_inde
 
 
 def cached_logit_term_sums(student_final: torch.Tensor, top_logp: torch.Tensor, top_index: torch.Tensor,
-                           input_ids: torch.Tensor, student_head: torch.nn.Module, *, temperature: float = 1.0,
+                           input_ids: torch.Tensor, student_head: Head, *, temperature: float = 1.0,
                            with_nll: bool = False, chunk: int = LOGIT_CHUNK) -> LogitTermSums:
     """`logit_term_sums` against a teacher's cached top-k log-probabilities ([B, T-1, K], at `temperature`)
     instead of its hidden states: the KL term is `top_k_kl`, T²-scaled."""

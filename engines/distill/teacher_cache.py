@@ -28,6 +28,7 @@ from safetensors.torch import load_file, save_file
 
 from mlxkit.engines.core.atomic import atomic_file, atomic_write_json
 from mlxkit.engines.core.paths import cache_dir
+from mlxkit.engines.models.heads import OutputHead
 
 CACHE_FORMAT = 1
 # Positions per teacher-head chunk: [512, 49152] float32 logits are 100 MB.
@@ -84,7 +85,7 @@ class TeacherLogitCache:
         from mlxkit.engines.training.step import decoder_states
 
         hidden = decoder_states(teacher, ids)[1][:, :-1]
-        head = teacher.get_output_embeddings()
+        head = OutputHead(teacher)
         rows = []
         for row in hidden:
             values, index = [], []

@@ -39,6 +39,7 @@ from mlxkit.engines.distill.losses import cosine_distance_sum, logit_term_sums
 from mlxkit.engines.distill.recipe import DistillRecipe
 from mlxkit.engines.errors import InputError
 from mlxkit.engines.models.attention import prefer_sdpa
+from mlxkit.engines.models.heads import OutputHead
 from mlxkit.engines.training.checkpointer import Checkpointer
 from mlxkit.engines.training.distributed import gradients
 from mlxkit.engines.training.run import TrainingOptions, TrainingRun
@@ -346,7 +347,7 @@ class DistillationRun(TrainingRun):
         if loss_spec.kl_weight > 0 or loss_spec.lm_weight > 0:
             teacher_final = student_final if teacher_final is None else teacher_final
             terms = logit_term_sums(student_final, teacher_final, ids,
-                                    self.student.get_output_embeddings(), self.teacher.get_output_embeddings(),
+                                    OutputHead(self.student), OutputHead(self.teacher),
                                     temperature=loss_spec.temperature, with_kl=loss_spec.kl_weight > 0,
                                     with_nll=loss_spec.lm_weight > 0)
             loss = loss + (loss_spec.kl_weight * terms.kl + loss_spec.lm_weight * terms.nll) / predicted
@@ -361,7 +362,7 @@ class DistillationRun(TrainingRun):
         loss_spec = self.recipe.loss
         top_logp, top_index = self.teacher_cache.top_k_for(self.teacher, ids)
         _, student_final = decoder_states(self.student, ids)
-        terms = cached_logit_term_sums(student_final, top_logp, top_index, ids, self.student.get_output_embeddings(),
+        terms = cached_logit_term_sums(student_final, top_logp, top_index, ids, OutputHead(self.student),
                                        temperature=loss_spec.temperature, with_nll=loss_spec.lm_weight > 0)
         sums[1] += terms.kl.detach().double()
         sums[2] += terms.nll.detach().double()

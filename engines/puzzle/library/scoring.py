@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from mlxkit.engines.eval.metrics import kl_from_log_probs
+from mlxkit.engines.models.heads import OutputHead
 from mlxkit.engines.puzzle.subblocks import Subblock, SubblockKind
 from mlxkit.engines.training.device import module_device
 
@@ -33,6 +34,7 @@ class ParentTail:
     def __init__(self, parent_model, val_ids: torch.Tensor, final_state: torch.Tensor, pos):
         self.model = parent_model
         self.pos = pos
+        self.head = OutputHead(parent_model)
         self.targets = val_ids[:, 1:].to(module_device(parent_model))
         self.parent_logp = self.log_probs(final_state)
         self.parent_top1 = self.parent_logp.argmax(-1)
@@ -40,7 +42,7 @@ class ParentTail:
     def log_probs(self, state: torch.Tensor) -> torch.Tensor:
         """Next-token log-probabilities at the positions that have a target (all but the last), from the
         last layer's output: the final norm and the head, which stay resident in a streamed parent."""
-        return F.log_softmax(self.model.lm_head(self.model.model.norm(state[:, :-1])).float(), dim=-1)
+        return F.log_softmax(self.head(self.model.model.norm(state[:, :-1])).float(), dim=-1)
 
     def run_from(self, state: torch.Tensor, first_layer: int) -> torch.Tensor:
         """From layer `first_layer` to the log-probabilities, through the parent's resident layers."""
