@@ -16,9 +16,10 @@ from mlxkit.engines.errors import NonFiniteError
 from mlxkit.engines.eval.metrics import TokenMetrics
 from mlxkit.engines.training.device import module_device
 
-# Bounds the [batch, seq, vocab] logits held at once: 2,048 x 49,152 float32 is 384 MiB per model,
-# and the matrices of a 2,048-token forward are already large enough to run at full speed.
-TOKENS_PER_BATCH = 2048
+# Bounds the [batch, seq, vocab] logits held at once, per model: 1,024 x 49,152 float32 is 192 MiB.
+# A model evaluated during training sits beside its gradients and optimiser state, and with a
+# reference the logits are held twice; the matrices of a 1,024-token forward still run at full speed.
+TOKENS_PER_BATCH = 1024
 
 
 @dataclass
