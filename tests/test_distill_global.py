@@ -21,6 +21,7 @@ from mlxkit.engines.distill.losses import cosine_distance_sum, logit_term_sums
 from mlxkit.engines.distill.recipe import load_distill_recipe
 from mlxkit.engines.distill.trainer import DistillationOptions, DistillationRun, run_distillation
 from mlxkit.engines.training.schedule import batch_indices
+from mlxkit.engines.core.progress import Reporter
 from mlxkit.engines.errors import InputError, RecipeError
 
 runner = CliRunner()
@@ -136,11 +137,19 @@ def test_gradient_accumulation_is_normalised_over_the_global_batch(pair, text_fi
     assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
 
 
-def test_a_run_with_other_settings_does_not_resume_silently(pair, text_file, tmp_path):
+def test_a_run_with_other_settings_discards_the_unfinished_one_with_a_notice(pair, text_file, tmp_path):
+    straight = tmp_path / "straight"
+    run_distillation(_options(pair, text_file, straight, recipe={"optim.lr": 1e-3}))
     out = tmp_path / "out"
     run_distillation(_options(pair, text_file, out, stop_after_steps=2))
-    with pytest.raises(InputError, match="other settings"):
-        run_distillation(_options(pair, text_file, out, recipe={"optim.lr": 1e-3}))
+    notices = []
+    reporter = Reporter()
+    reporter.notice = notices.append
+    run_distillation(_options(pair, text_file, out, recipe={"optim.lr": 1e-3}), reporter)
+    assert any(n.startswith("discarded an unfinished distillation run") and "recipe" in n for n in notices), notices
+    # Nothing of the discarded run survives: the result is a fresh run's, bit for bit.
+    a, b = _weights(straight), _weights(out)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.distributed

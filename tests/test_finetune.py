@@ -261,13 +261,20 @@ def test_resumed_run_equals_an_uninterrupted_one(name, tiny_llama_dir, text_file
     assert losses(straight) == losses(resumed)
 
 
-def test_a_run_with_other_settings_does_not_resume_silently(tiny_llama_dir, text_file, tmp_path):
-    from mlxkit.engines.errors import InputError
+def test_a_run_with_other_settings_discards_the_unfinished_one_with_a_notice(tiny_llama_dir, text_file, tmp_path):
+    from mlxkit.engines.core.progress import Reporter
 
+    straight = tmp_path / "straight"
+    run_finetune(_options(tiny_llama_dir, text_file, straight, "lora", recipe={"lora.r": 4}))
     out = tmp_path / "out"
     run_finetune(_options(tiny_llama_dir, text_file, out, "lora", stop_after_steps=2))
-    with pytest.raises(InputError, match="other settings"):
-        run_finetune(_options(tiny_llama_dir, text_file, out, "lora", recipe={"lora.r": 4}))
+    notices = []
+    reporter = Reporter()
+    reporter.notice = notices.append
+    run_finetune(_options(tiny_llama_dir, text_file, out, "lora", recipe={"lora.r": 4}), reporter)
+    assert any(n.startswith("discarded an unfinished fine-tuning run") and "recipe" in n for n in notices), notices
+    a, b = _adapter(straight), _adapter(out)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_lora_on_a_puzzle_child(tmp_path, text_file):

@@ -135,6 +135,26 @@ def test_distill_refuses_a_directory_built_with_other_settings(tiny_llama_dir, t
     assert missing.exit_code != 0 and "unknown recipe" in missing.output
 
 
+def test_an_unfinished_library_with_other_settings_is_discarded_with_a_notice(tiny_llama_dir, tiny_recipe_file,
+                                                                               text_file, tmp_path):
+    straight = tmp_path / "straight"
+    _distill(tiny_llama_dir, tiny_recipe_file, text_file, straight, "--no-score", "--seed", "7")
+    out = tmp_path / "lib"
+    _distill(tiny_llama_dir, tiny_recipe_file, text_file, out, "--no-score")
+    LibraryDir(out).index_file.unlink()  # as a run killed before its index is written leaves it
+    rerun = runner.invoke(app, ["distill", "--bld", "--model", str(tiny_llama_dir), "--recipe", str(tiny_recipe_file),
+                                "--data", str(text_file), "--out", str(out), "--no-score", "--seed", "7"])
+    assert rerun.exit_code == 0, rerun.output
+    notices = [line for line in rerun.stderr.splitlines() if "discarded an unfinished block library" in line]
+    assert len(notices) == 1 and "other settings: seed" in notices[0], rerun.stderr
+    # Every block is the seed-7 run's: none of the discarded run's blocks was kept.
+    blocks = sorted(p.name for p in LibraryDir(straight).blocks.glob("*.safetensors"))
+    assert blocks == sorted(p.name for p in LibraryDir(out).blocks.glob("*.safetensors")) and blocks
+    for name in blocks:
+        a, b = load_file(LibraryDir(straight).blocks / name), load_file(LibraryDir(out).blocks / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+
+
 def test_init_only_writes_the_initialised_blocks_untrained(tiny_llama_dir, tiny_recipe_file, text_file, tmp_path):
     out = tmp_path / "lib"
     summary = _distill(tiny_llama_dir, tiny_recipe_file, text_file, out, "--init-only", "--keep-activations")

@@ -12,7 +12,8 @@ from typer.testing import CliRunner
 import mlxkit  # noqa: F401
 from mlxkit.cli.main import app
 from mlxkit.engines.distill.trainer import DistillationRun
-from mlxkit.engines.puzzle.search.run import search_work_dir
+from mlxkit.engines.puzzle.search import child as search_child
+from mlxkit.engines.puzzle.search.child import search_work_dir
 
 runner = CliRunner()
 GKD = ["--gkd-set", "data.seq_len=32", "--gkd-set", "data.held_out_sequences=2", "--gkd-set",
@@ -71,8 +72,6 @@ def test_one_command_gives_a_distilled_child_and_resumes_where_it_stopped(built_
 
 def test_other_choices_reassemble_the_staged_child_and_restart_its_gkd(built_library, text_file, tmp_path,
                                                                        monkeypatch):
-    from mlxkit.engines.puzzle.search import run as search_run
-
     # --throughput given twice: the last one counts, so the rerun below searches for 1.6x.
     straight = tmp_path / "straight"
     reference = _search(built_library, text_file, straight, "--throughput", "1.6x")
@@ -83,8 +82,8 @@ def test_other_choices_reassemble_the_staged_child_and_restart_its_gkd(built_lib
     staged = json.loads((search_work_dir(out) / "child-before-gkd" / "mlxkit.json").read_text())["results"]
     assert staged["choices"] != json.loads(reference.stdout)["choices"]
     monkeypatch.setattr(DistillationRun, "train_step", original)
-    built, build_child = [], search_run._build_child
-    monkeypatch.setattr(search_run, "_build_child", lambda *a, **k: built.append(1) or build_child(*a, **k))
+    built, build_child = [], search_child.build_child
+    monkeypatch.setattr(search_child, "build_child", lambda *a, **k: built.append(1) or build_child(*a, **k))
     # The staged child is assembled again for the new choices, and GKD's unfinished run on the old
     # child is discarded rather than refused or resumed.
     rerun = _search(built_library, text_file, out, "--throughput", "1.6x")

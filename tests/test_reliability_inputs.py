@@ -565,17 +565,18 @@ def test_a_cache_that_cannot_be_created_names_mlxkit_cache(ws, tmp_path, monkeyp
     assert len(lines) == 1 and "MLXKIT_CACHE" in lines[0], result.output
 
 
-def test_overwrite_discards_a_leftover_run_with_other_settings(ws, tmp_path):
+def test_a_leftover_run_with_other_settings_is_discarded_with_a_notice(ws, tmp_path):
     out = tmp_path / "ad"
     work = tmp_path / ".ad.finetune-work"
     work.mkdir()
     (work / "run.json").write_text(json.dumps({"steps": 999, "seed": 5}))
+    (work / "stale.pt").write_bytes(b"left by the other run")
     args = ["finetune", "--recipe", "lora", "--model", str(ws["model"]), "--data", str(ws["text"]), "--steps", "2",
-            "--set", "data.seq_len=32", "--out", str(out), "--quiet"]
-    refused = runner.invoke(app, args)
-    assert refused.exit_code == 2 and "--overwrite" in refused.stderr and not out.exists()
-    done = runner.invoke(app, [*args, "--overwrite"])
+            "--set", "data.seq_len=32", "--out", str(out)]
+    done = runner.invoke(app, args)
     assert done.exit_code == 0, done.output
+    notices = [line for line in done.stderr.splitlines() if "discarded an unfinished fine-tuning run" in line]
+    assert len(notices) == 1 and "other settings: " in notices[0] and "steps" in notices[0], done.stderr
     assert (out / "adapter_model.safetensors").is_file() and not work.exists()
 
 

@@ -70,9 +70,6 @@ class DistillationOptions(TrainingOptions):
     text_field: str = "text"
     tokens: int | None = None
     allow_pickle: bool = False
-    # A work directory holding a run with other settings is discarded rather than refused: set by a caller
-    # (the search's GKD stage) whose own stage key already decided that the student changed.
-    discard_other_runs: bool = False
 
 
 class DistillationRun(TrainingRun):
@@ -245,8 +242,7 @@ class DistillationRun(TrainingRun):
                 "recipe": self.recipe.model_dump(exclude={"schedule", "name", "description"})}
 
     def _check_or_write_run_key(self) -> None:
-        check_run_key(self.work, self._run_key(), self.dist,
-                      overwrite=self.options.overwrite or self.options.discard_other_runs, reporter=self.reporter)
+        check_run_key(self.work, self._run_key(), self.dist, what="an unfinished distillation run", reporter=self.reporter)
 
     def _token_blocks(self) -> tuple[Any, torch.Tensor]:
         """(training blocks, held-out blocks). Text from --data is tokenised once into memory-mapped shards (see

@@ -124,8 +124,7 @@ class FinetuneRun(TrainingRun):
         self.steps = recipe.schedule.steps
         spec = recipe.optim
         self.optimizer = build_adamw(self.params, spec)
-        check_run_key(self.work, self._run_key(), self.dist, overwrite=self.options.overwrite,
-                      reporter=self.reporter)
+        check_run_key(self.work, self._run_key(), self.dist, what="an unfinished fine-tuning run", reporter=self.reporter)
         self.checkpointer = Checkpointer(self.work, self.dist, sharded=self.sharded,
                                          trainable_only=self.peft is not None)
         self.start_or_resume(self.model, recipe.method, self.steps)

@@ -156,8 +156,7 @@ class CrtRun(TrainingRun):
         self.optimizer = build_optimizer(self.model.parameters(), spec.optimizer, lr=self.phase.lr,
                                          weight_decay=spec.weight_decay, momentum=spec.momentum)
         self.sampler = ContinualSampler({name: 0.0 for name in self.attack_names}, recipe.sampler.momentum)
-        check_run_key(self.work, self._run_key(), self.dist, overwrite=self.options.overwrite,
-                      reporter=self.reporter)
+        check_run_key(self.work, self._run_key(), self.dist, what="an unfinished CRT run", reporter=self.reporter)
         self.checkpointer = Checkpointer(self.work, self.dist, sharded=False)
         resumed = self.start_or_resume(self.model, f"crt {self.phase_name}", self.phase.steps)
         if resumed is not None:

@@ -1,8 +1,9 @@
 """A training run's work directory beside its output: the run key, the log, and what a finished run left.
 
-A run key (`run.json`) in the work directory stops a rerun with other settings from resuming
-silently; the finished output's manifest records the same key, so a later run can tell that
-a leftover work directory belongs to a run that already finished. The training log is cut
+A run key (`run.json`) in the work directory is the run's stage key: a rerun with the same settings
+resumes, one with other settings discards the unfinished run with a notice. The finished output's
+manifest records the same key, so a later run can tell that a leftover work directory belongs to a
+run that already finished. The training log is cut
 back to the checkpoint's position on resume, so a resumed log equals an uninterrupted one.
 """
 
@@ -13,8 +14,9 @@ import shutil
 from pathlib import Path
 from typing import Any, Optional
 
-from mlxkit.engines.core.atomic import atomic_write_json, atomic_write_text
+from mlxkit.engines.core.atomic import atomic_write_text
 from mlxkit.engines.core.progress import Reporter
+from mlxkit.engines.core.stage_key import StageKey, StageState, StageWork
 from mlxkit.engines.errors import InputError
 from mlxkit.engines.training.checkpoint import TrainingState
 from mlxkit.engines.training.distributed import Distributed
@@ -28,37 +30,12 @@ def work_dir_beside(out: Path, kind: str) -> Path:
     return out.parent / f".{out.name}.{kind}-work"
 
 
-def check_run_key(work: Path, key: dict[str, Any], dist: Distributed, *, overwrite: bool = False,
-                  reporter: Optional[Reporter] = None) -> None:
-    """Refuse to resume a run in `work` that was started with other settings; record the key of a new one.
-
-    With `overwrite` the unfinished run with other settings is discarded instead, and this run starts afresh.
-    """
-    key_file = work / RUN_KEY
-    key = json.loads(json.dumps(key, default=str))
-    if key_file.exists():
-        try:
-            previous = json.loads(key_file.read_text())
-        except ValueError:
-            previous = {}
-        changed = sorted(k for k in key if not isinstance(previous, dict) or previous.get(k) != key[k])
-        if changed and not overwrite:
-            raise InputError(f"'{work}' holds an unfinished run with other settings ({', '.join(changed)}); "
-                             "pass --overwrite to discard it and start over, or rerun with the same settings "
-                             "to resume")
-        if changed:
-            dist.barrier()  # every rank has read the old key before rank 0 removes it
-            if dist.is_main:
-                shutil.rmtree(work)
-                work.mkdir(parents=True)
-                atomic_write_json(key_file, key)
-                if reporter is not None:
-                    reporter.notice(f"discarded the unfinished run in {work} "
-                                    f"(other settings: {', '.join(changed)})")
-    elif dist.is_main:
-        work.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(key_file, key)
-    dist.barrier()
+def check_run_key(work: Path, key: dict[str, Any], dist: Distributed, *, what: str = "an unfinished run",
+                  reporter: Optional[Reporter] = None) -> StageState:
+    """Resume the run in `work` when it was started with these settings; otherwise discard it with a
+    notice and record this run's key (the stage-key rule, `engines/core/stage_key.py`)."""
+    stage = StageWork(work, work / RUN_KEY, what=what, is_main=dist.is_main, barrier=dist.barrier)
+    return stage.open(StageKey.of(key), reporter)
 
 
 def finished_run_key(work: Path) -> dict[str, Any]:

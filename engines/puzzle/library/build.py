@@ -56,6 +56,7 @@ from mlxkit.engines.core.manifest import Manifest, content_hash
 from mlxkit.engines.core.paths import cache_dir
 from mlxkit.engines.core.progress import Reporter
 from mlxkit.engines.core.seeds import derive_seed
+from mlxkit.engines.core.stage_key import StageKey, StageWork, digest_of, read_key_record
 from mlxkit.engines.data.sampled import model_fingerprint
 from mlxkit.engines.data.text import check_data_path
 from mlxkit.engines.errors import InputError
@@ -139,7 +140,7 @@ def run_distill(options: DistillOptions, reporter: Reporter | None = None) -> di
         _check_memory(parent, options, placement)
         precision = Precision(placement, placement.save_dtype(source_dtype(source), options.save_dtype))
         space = build_search_space(ParentShape.from_config(parent.config), options.recipe.search_space)
-        key = _check_or_write_state(library, options, layers, precision, dist)
+        key = _check_or_write_state(library, options, layers, precision, dist, reporter)
         train_ids, val_ids = _calibration_tokens(options, layers, tokenizer, library, placement, dist, reporter)
         states_dir = library.work / "activations"
         if dist.is_main:
@@ -252,22 +253,27 @@ def _run_key(options: DistillOptions, layers: StreamedParent | ResidentParent, p
 
 
 def _check_or_write_state(library: LibraryDir, options: DistillOptions, layers: StreamedParent | ResidentParent,
-                          precision: Precision, dist: Distributed) -> RunKey | None:
-    """A library directory holds one run: resuming with other inputs would mix blocks silently.
+                          precision: Precision, dist: Distributed, reporter: Reporter) -> RunKey | None:
+    """Apply the stage-key rule to the library directory: an unfinished library built under the same key
+    resumes, one under another key is discarded with a notice. A finished library under another key is an
+    output, not stale work, and is refused; so is a directory that is no mlxkit library.
 
     Returns the key the directory's blocks were built under (None when an older mlxkit wrote
     it in another layout), which is what `library.json` records.
     """
-    key = _run_key(options, layers, precision)
-    previous = library.read_run_key()
-    if previous is not None:
-        current = key.model_dump(mode="json")
-        # A key written before a field existed holds that field's default (float32 dtypes).
-        if isinstance(previous, dict):
-            previous = {**RunKey.defaults(), **previous}
-        # Rescoring reads the blocks as they are: how they were trained, seeded or written does not matter.
-        exempt = ("train", "block_seed", "save_dtype") if options.score_only else ()
-        changed = sorted(k for k in current if previous.get(k) != current[k] and k not in exempt)
+    key = StageKey.of(_run_key(options, layers, precision))
+    # A key written before a field existed holds that field's default (float32 dtypes).
+    previous = read_key_record(library.run_key_file, RunKey.defaults())
+    # Rescoring reads the blocks as they are: how they were trained, seeded or written does not matter.
+    exempt = ("train", "block_seed", "save_dtype") if options.score_only else ()
+    if previous is None:
+        if options.score_only:
+            raise InputError(f"'{library.root}' has no record of how it was built; rebuild it without --score-only")
+        if dist.is_main and (library.index_file.exists() or (library.root.exists() and any(library.root.iterdir())
+                                                              and not library.work.exists())):
+            raise InputError(f"'{library.root}' exists and is not an unfinished mlxkit library; use another --out")
+    elif library.index_file.exists() or options.score_only:
+        changed = key.changed_from(previous, exempt)
         if changed:
             raise InputError(f"'{library.root}' holds a library built with other settings ({', '.join(changed)}); "
                              "use another --out, or delete it to start over")
@@ -276,15 +282,14 @@ def _check_or_write_state(library: LibraryDir, options: DistillOptions, layers: 
             return RunKey.model_validate(previous)
         except ValidationError:
             return None
-    elif options.score_only:
-        raise InputError(f"'{library.root}' has no record of how it was built; rebuild it without --score-only")
-    elif dist.is_main:
-        if library.index_file.exists() or (library.root.exists() and any(library.root.iterdir())
-                                           and not library.work.exists()):
-            raise InputError(f"'{library.root}' exists and is not an unfinished mlxkit library; use another --out")
-        library.write_run_key(key)
-    dist.barrier()
-    return key
+    stage = StageWork(library.root, library.run_key_file, what="an unfinished block library", is_main=dist.is_main,
+                      barrier=dist.barrier)
+    if stage.open(key, reporter, defaults=RunKey.defaults()) == "same":
+        try:
+            return RunKey.model_validate(previous)
+        except ValidationError:
+            return None
+    return RunKey.model_validate(key.record)
 
 
 def _calibration_tokens(options: DistillOptions, layers: StreamedParent | ResidentParent, tokenizer,
@@ -587,7 +592,7 @@ def default_library_dir(model: str, recipe: str, *, data: Path | None = None, se
     key = library_cache_key(model, recipe, data=data, seed=seed, device=device, dtype=dtype, save_dtype=save_dtype,
                             reporter=reporter)
     name = Path(recipe).stem if recipe.endswith((".yaml", ".yml")) else recipe
-    return cache_dir() / "libraries" / f"{_digest(json.dumps(key, sort_keys=True))}-{name}"
+    return cache_dir() / "libraries" / f"{digest_of(key, 12)}-{name}"
 
 
 def ensure_library(model: str, recipe: str, *, data: Path | None = None, seed: int = 0, allow_pickle: bool = False,
@@ -622,7 +627,7 @@ def _weights_hash(path: Path) -> str:
     """
     files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
     stats = [[str(f), f.stat().st_size, f.stat().st_mtime_ns, f.stat().st_ino] for f in files]
-    memo = cache_dir() / "hashes" / f"{_digest(str(path.resolve()))}.json"
+    memo = cache_dir() / "hashes" / f"{digest_of(str(path.resolve()), 12)}.json"
     try:
         remembered = json.loads(memo.read_text())
         if remembered.get("files") == stats:
@@ -632,7 +637,3 @@ def _weights_hash(path: Path) -> str:
     digest = content_hash(path)
     atomic_write_json(memo, {"files": stats, "hash": digest})
     return digest
-
-
-def _digest(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:12]

@@ -8,7 +8,7 @@ never retrained, and ranks of a distributed run never write the same file.
     blocks/layer000.attention.kv1.safetensors   the trained (or initialised) subblock
     blocks/layer000.attention.kv1.json          its `BlockRecord` (written last)
     scores/layer000.attention.kv1.json          its replace-1-block metrics
-    .work/run.json                              the `RunKey` the directory was started with
+    .work/run.json                              the `RunKey` the directory was started with (its stage key)
     library.json                                the `BlockLibrary` index (written at the end)
 
 `read_library` also reads the public NVlabs/puzzle demo format, converted into the same
@@ -28,8 +28,7 @@ from mlxkit.engines.core.atomic import atomic_file, atomic_write_json
 from mlxkit.engines.core.yaml_config import validate_model
 from mlxkit.engines.errors import InputError
 from mlxkit.engines.models.decilm.blocks import AttentionVariant, FFNVariant
-from mlxkit.engines.puzzle.library.schema import (LIBRARY_FORMAT, LIBRARY_VERSION, BlockLibrary, BlockRecord, Metrics,
-                                                  RunKey)
+from mlxkit.engines.puzzle.library.schema import LIBRARY_FORMAT, LIBRARY_VERSION, BlockLibrary, BlockRecord, Metrics
 from mlxkit.engines.puzzle.library.nvlabs import from_nvlabs, is_nvlabs_library
 from mlxkit.engines.puzzle.subblocks import Subblock, SubblockKind
 from mlxkit.engines.training.device import build_on
@@ -105,15 +104,6 @@ class LibraryDir:
     def read_score(self, layer: int, kind: str, name: str) -> Metrics | None:
         path = self.score_record(layer, kind, name)
         return _read_json(path) if path.exists() else None
-
-    # ---- the run key
-
-    def read_run_key(self) -> dict[str, Any] | None:
-        """The raw run key this directory was started with (raw: an older mlxkit may have written it)."""
-        return _read_json(self.run_key_file) if self.run_key_file.exists() else None
-
-    def write_run_key(self, key: RunKey) -> None:
-        atomic_write_json(self.run_key_file, key.model_dump(mode="json"))
 
 
 def write_library(root: str | Path, library: BlockLibrary) -> Path:

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from mlxkit.engines.core.progress import Reporter
-from mlxkit.engines.puzzle.search.run import SearchOptions, run_search
+from mlxkit.engines.puzzle.search.options import SearchOptions
+from mlxkit.engines.puzzle.search.run import run_search
 
 FRONTIER_JSON = "frontier.json"
 
