@@ -1,7 +1,7 @@
-"""BLD benchmark: wall time of `mlx distill --bld` on SmolLM2-135M, and whether BLD pays off.
+"""BLD benchmark: wall time of `mlx library build` on SmolLM2-135M, and whether BLD pays off.
 
 Runs, in order (each stage resumable: rerunning skips what is finished):
-  1. `mlx distill --bld --recipe RECIPE` into OUT/RECIPE   (timed: the budget is 10 min for quick, 45 for standard)
+  1. `mlx library build --recipe RECIPE` into OUT/RECIPE   (timed: the budget is 10 min for quick, 45 for standard)
   2. the same blocks initialised only (`--init-only`) into OUT/RECIPE-init, reusing stage 1's
      calibration tokens and cached activations, so the two libraries differ only by BLD training
   3. the median replace-1-block KL over non-trivial variants (trained or initialised subblocks)
@@ -44,7 +44,7 @@ def main() -> None:
     args = parser.parse_args()
     data = ["--data", args.data] if args.data else []
     bld_dir, init_dir = args.out / args.recipe, args.out / f"{args.recipe}-init"
-    wall = run(["distill", "--bld", "--recipe", args.recipe, "--out", str(bld_dir), "--quiet", "--keep-activations",
+    wall = run(["library", "build", "--recipe", args.recipe, "--out", str(bld_dir), "--quiet", "--keep-activations",
                 *data])
     manifest = json.loads((bld_dir / "mlxkit.json").read_text())
     if not (init_dir / "library.json").exists():
@@ -52,7 +52,7 @@ def main() -> None:
         shutil.copy2(bld_dir / ".work" / "tokens.pt", init_dir / ".work" / "tokens.pt")
         if not (init_dir / ".work" / "activations").exists():
             shutil.copytree(bld_dir / ".work" / "activations", init_dir / ".work" / "activations")
-    run(["distill", "--bld", "--init-only", "--recipe", args.recipe, "--out", str(init_dir), "--quiet", *data])
+    run(["library", "build", "--init-only", "--recipe", args.recipe, "--out", str(init_dir), "--quiet", *data])
     bld, init = kl_table(bld_dir), kl_table(init_dir)
     # The same subblocks in both libraries: those BLD trained, and their initialised-only twins.
     trained = [key for key, (source, _) in bld.items() if source == "bld"]

@@ -8,7 +8,7 @@ every stage, so the options differ in their text alone:
   shakespeare   public-domain text (tinyshakespeare), the kind of corpus a package can ship
   mix           half sampled-t1, half shakespeare, interleaved by sequence
 
-For each: the `quick` block library (`mlx distill --bld`), the h100-1.5x child (`mlx search
+For each: the `quick` block library (`mlx library build`), the h100-1.5x child (`mlx search
 --refine 0`), the same GKD budget on the option's own text, and `mlx eval` of the child on the
 first 8,192 tokens of wikitext-2 test (never used for calibration) before and after GKD.
 
@@ -76,7 +76,7 @@ def run_option(work: Path, option: str, gkd_tokens: int) -> None:
     text = option_text(work, option)
     library = work / "libraries" / option
     quality.cached(work / "records" / f"library-{option}.json", lambda: quality.run_json(
-        ["distill", "--bld", "--recipe", "quick", "--data", str(text), "--out", str(library)],
+        ["library", "build", "--recipe", "quick", "--data", str(text), "--out", str(library)],
         work / "logs" / f"library-{option}.log"))
     child = work / "children" / option
     quality.cached(work / "records" / f"child-{option}.json", lambda: quality.run_json(

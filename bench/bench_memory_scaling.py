@@ -9,8 +9,8 @@ runs only it, so for `torchrun` it is the largest rank's peak (the launcher agen
     python bench/bench_memory_scaling.py --work runs/bench_memory --sizes 135m --commands kd1,kd2
 
 Commands:
-  bld   `mlx distill --bld` with a small recipe (one FFN variant per layer, few tokens)
-  bldr  the same library built with the whole parent resident (`DistillOptions(stream=False)`, the old path)
+  bld   `mlx library build` with a small recipe (one FFN variant per layer, few tokens)
+  bldr  the same library built with the whole parent resident (`LibraryBuildOptions(stream=False)`, the old path)
   kd1   `mlx distill --kd`, teacher and student of the same config, 1 process
   kd2   the same under `torchrun --nproc_per_node 2` (FSDP2 sharding, the default with 2 processes)
   kd2r  the same with `--sharding none` (every rank a full replica: the old behaviour)
@@ -118,15 +118,16 @@ def command_for(name: str, size: str, work: Path) -> list[str]:
     if name == "bld":
         recipe = work / "bld-recipe.yaml"
         recipe.write_text(BLD_RECIPE)
-        return [*mlx, "distill", "--bld", "--model", str(teacher), "--recipe", str(recipe), "--data", str(CORPUS),
+        return [*mlx, "library", "build", "--model", str(teacher), "--recipe", str(recipe), "--data", str(CORPUS),
                 "--out", str(out), "--device", "cpu", "--quiet"]
     if name == "bldr":
         recipe = work / "bld-recipe.yaml"
         recipe.write_text(BLD_RECIPE)
-        code = ("import sys; from pathlib import Path; from mlxkit.engines.puzzle.library.build import DistillOptions, "
-                "run_distill; from mlxkit.engines.puzzle.recipe import load_recipe; "
-                "run_distill(DistillOptions(model=sys.argv[1], out=Path(sys.argv[2]), recipe=load_recipe(sys.argv[3]), "
-                "data=Path(sys.argv[4]), device='cpu', stream=False))")
+        code = ("import sys; from pathlib import Path; "
+                "from mlxkit.engines.puzzle.library.build import LibraryBuildOptions, run_library_build; "
+                "from mlxkit.engines.puzzle.recipe import load_recipe; "
+                "run_library_build(LibraryBuildOptions(model=sys.argv[1], out=Path(sys.argv[2]), "
+                "recipe=load_recipe(sys.argv[3]), data=Path(sys.argv[4]), device='cpu', stream=False))")
         return [sys.executable, "-c", code, str(teacher), str(out), str(recipe), str(CORPUS)]
     if name.startswith("kd"):
         fixed_threshold = ["env", "MALLOC_MMAP_THRESHOLD_=131072"] if name.endswith("m") else []

@@ -101,7 +101,7 @@ def prepare(work: Path) -> Path:
 def build_library(work: Path, calibration: Path) -> dict:
     log("stage: block library (quick recipe, BLD on the calibration text)")
     library = cached(work / "library_summary.json", lambda: run_json(
-        ["distill", "--bld", "--recipe", "quick", "--data", str(calibration), "--out", str(work / "library"),
+        ["library", "build", "--recipe", "quick", "--data", str(calibration), "--out", str(work / "library"),
          "--keep-activations"],  # the baselines initialise their blocks from the cached activations
         work / "logs" / "library.log"))
     log(f"library: {library.get('subblocks_trained')} subblocks trained ({library.get('_stage_seconds')} s)")

@@ -54,12 +54,23 @@ def set_option(*aliases: str, help: str = SET_HELP) -> Any:
 SetOpt = set_option()
 
 console = Console()
+_stderr = Console(stderr=True)
 
 
 def launch_rank() -> int:
     """This process's rank under torchrun or accelerate (0 without a launcher)."""
     raw = os.environ.get("RANK", "0").strip()
     return int(raw) if raw.isdigit() else 0
+
+
+def print_notice(message: str) -> None:
+    """One `note:` line on stderr (rank 0 only) about how the command was spelled.
+
+    Not silenced by --quiet: a script that passes --quiet is the one that most needs to hear
+    that a spelling it uses has changed.
+    """
+    if launch_rank() == 0:
+        _stderr.print(f"[yellow]note:[/yellow] {message}", highlight=False, soft_wrap=True)
 
 
 def make_reporter(json_out: bool, quiet: bool, verbose: bool) -> Reporter:

@@ -1,4 +1,4 @@
-"""Distillation: the Puzzle block library (--bld), global distillation of a child (--gkd), or plain KD (--kd)."""
+"""Distillation: global distillation of a child (--gkd) or plain KD (--kd); --bld is `mlx library build`."""
 
 from __future__ import annotations
 
@@ -6,12 +6,10 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.table import Table
-
 from mlxkit.cli._errors import fail, guarded
 from mlxkit.cli._options import (AllowPickleOpt, DataOpt, DeviceOpt, DtypeOpt, JsonOpt, Output, OverwriteOpt,
                                  QuietOpt, RecipeOpt, SaveDtypeOpt, SeedOpt, SetOpt, ShardingOpt, TextFieldOpt,
-                                 VerboseOpt, ModeOptions, check_placement, claimed_output, console)
+                                 VerboseOpt, ModeOptions, check_placement, claimed_output, print_notice)
 
 
 _MODES = ModeOptions("distill", common=frozenset({"out", "bld", "gkd", "kd", "data", "recipe", "text_field", "device",
@@ -27,10 +25,8 @@ def distill_command(
     ctx: typer.Context,
     out: Annotated[Path, typer.Option("--out", "-o", help="Library directory (--bld) or distilled model (--gkd/--kd); "
                                       "an unfinished run there is resumed.")],
-    bld: Annotated[bool, typer.Option("--bld", help="Blockwise local distillation of the block library. The parent "
-                                      "is streamed from its safetensors files: memory is a few decoder layers, one "
-                                      "layer's cached activations, and the embedding and head (a .gguf or hub parent, "
-                                      "and sampling without --data, hold the whole parent).")] = False,
+    bld: Annotated[bool, typer.Option("--bld", help="The block library: the older spelling of `mlx library build`, "
+                                      "which takes the same options.")] = False,
     gkd: Annotated[bool, typer.Option("--gkd", help="Global distillation of an assembled child against its parent "
                                       "(cosine on every layer's hidden states + logit KL).")] = False,
     kd: Annotated[bool, typer.Option("--kd", help="Plain KD: forward KL at a temperature mixed with cross-entropy.")] = False,
@@ -60,54 +56,24 @@ def distill_command(
     quiet: QuietOpt = False,
     verbose: VerboseOpt = False,
 ) -> None:
-    from mlxkit.engines.puzzle.library.build import DistillOptions, run_distill
-    from mlxkit.engines.puzzle.recipe import load_recipe
-
     if bld + gkd + kd != 1:
         raise fail("choose one distillation mode: --bld (block library), --gkd (global distillation) or --kd")
     _MODES.check(ctx, "--bld" if bld else "--gkd" if gkd else "--kd")
+    if bld:
+        from mlxkit.cli.library import build_library
+
+        print_notice("--bld is now `mlx library build`; `mlx distill --bld` runs the same build")
+        return build_library(out=out, model=model, data=data, recipe=recipe, score_only=score_only,
+                             no_score=no_score, init_only=init_only, keep_activations=keep_activations,
+                             text_field=text_field, device=device, dtype=dtype, save_dtype=save_dtype, seed=seed,
+                             allow_pickle=allow_pickle, output=Output(json_out, quiet, verbose))
     check_placement(device, dtype, save_dtype)
-    output = Output(json_out, quiet, verbose)
-    if gkd or kd:
-        from mlxkit.cli.distill_global import run_global_distillation
+    from mlxkit.cli.distill_global import run_global_distillation
 
-        with claimed_output(out, kind="dir", inputs=[teacher, student, data]):
-            return run_global_distillation(mode="gkd" if gkd else "kd", teacher=teacher, student=student, out=out,
-                                           data=data, text_field=text_field, recipe=recipe, tokens=tokens,
-                                           overrides=overrides, seed=seed, overwrite=overwrite,
-                                           allow_pickle=allow_pickle, device=device, dtype=dtype,
-                                           save_dtype=save_dtype, sharding=sharding, output=output)
-    if score_only and (no_score or init_only):
-        raise fail("--score-only cannot be combined with --no-score or --init-only")
-    options = DistillOptions(model=model, out=out, recipe=load_recipe(recipe or "quick"), data=data,
-                             text_field=text_field, seed=seed, train=not init_only, score=not no_score,
-                             score_only=score_only, allow_pickle=allow_pickle, device=device, dtype=dtype,
-                             save_dtype=save_dtype, keep_activations=keep_activations)
-    with claimed_output(out, kind="dir", inputs=[model, data]):
-        summary = run_distill(options, output.reporter)
-    if not summary:  # a non-zero rank of a distributed run: rank 0 reports
-        return
-    output.emit(summary, lambda s: _render_library(s, quiet))
-
-
-def _render_library(summary: dict, quiet: bool) -> None:
-    if not quiet:
-        render_library_table(summary)
-    console.print(f"[green]library[/green] {summary['library']}  ({summary['subblocks_trained']} subblocks trained, "
-                  f"{summary['variants_scored']} variants scored, median KL "
-                  f"{_fmt(summary['median_kl_nontrivial'])}, {summary['wall_time_s']} s)")
-
-
-def render_library_table(summary: dict) -> None:
-    table = Table(title="replace-1-block KL(parent || child) per layer")
-    table.add_column("layer", justify="right")
-    table.add_column("attention")
-    table.add_column("ffn")
-    for row in summary["per_layer"]:
-        table.add_row(str(row["layer"]), *(" ".join(f"{name} {_fmt(kl)}" for name, kl in row[kind].items())
-                                          for kind in ("attention", "ffn")))
-    console.print(table)
-
-
-def _fmt(value) -> str:
-    return "-" if value is None else f"{value:.3g}"
+    with claimed_output(out, kind="dir", inputs=[teacher, student, data]):
+        return run_global_distillation(mode="gkd" if gkd else "kd", teacher=teacher, student=student, out=out,
+                                       data=data, text_field=text_field, recipe=recipe, tokens=tokens,
+                                       overrides=overrides, seed=seed, overwrite=overwrite,
+                                       allow_pickle=allow_pickle, device=device, dtype=dtype,
+                                       save_dtype=save_dtype, sharding=sharding,
+                                       output=Output(json_out, quiet, verbose))

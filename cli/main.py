@@ -91,6 +91,7 @@ def _register() -> None:
     from mlxkit.cli import eval as eval_cmd
     from mlxkit.cli import export
     from mlxkit.cli import fetch, finetune
+    from mlxkit.cli import library
     from mlxkit.cli import merge, recipes, report
     from mlxkit.cli import search
     from mlxkit.cli import solve
@@ -101,6 +102,7 @@ def _register() -> None:
     app.command("export", help=export.__doc__)(export.export_command)
     app.command("fetch", help=fetch.__doc__)(fetch.fetch_command)
     app.command("finetune", help=finetune.__doc__)(finetune.finetune_command)
+    app.add_typer(library.library_app, name="library")
     app.command("merge", help=merge.__doc__)(merge.merge_command)
     app.command("recipes", help=recipes.__doc__)(recipes.recipes_command)
     app.command("report", help=report.__doc__)(report.report_command)

@@ -196,13 +196,13 @@ def tiny_recipe_file(tmp_path) -> Path:
 
 @pytest.fixture
 def built_library(tiny_llama_dir, text_file, tiny_recipe_file, tmp_path) -> Path:
-    """A BLD block library of the tiny Llama, built and scored through `mlx distill --bld`."""
+    """A BLD block library of the tiny Llama, built and scored through `mlx library build`."""
     from typer.testing import CliRunner
 
     from mlxkit.cli.main import app
 
     out = tmp_path / "lib"
-    result = CliRunner().invoke(app, ["distill", "--bld", "--model", str(tiny_llama_dir), "--recipe",
+    result = CliRunner().invoke(app, ["library", "build", "--model", str(tiny_llama_dir), "--recipe",
                                       str(tiny_recipe_file), "--data", str(text_file), "--out", str(out), "--quiet",
                                       "--keep-activations"])
     assert result.exit_code == 0, result.output
@@ -211,7 +211,7 @@ def built_library(tiny_llama_dir, text_file, tiny_recipe_file, tmp_path) -> Path
 
 def library_workspace(root: Path, model: Path, *extra: str) -> dict[str, Path]:
     """The corpus, the tiny recipe and a BLD library of `model` built under `root` with its own cache
-    (`extra`: more `distill --bld` options); for module-wide workspaces that each case copies from."""
+    (`extra`: more `library build` options); for module-wide workspaces that each case copies from."""
     from typer.testing import CliRunner
 
     from mlxkit.cli.main import app
@@ -220,7 +220,7 @@ def library_workspace(root: Path, model: Path, *extra: str) -> dict[str, Path]:
     recipe.write_text(TINY_PUZZLE_RECIPE)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MLXKIT_CACHE", str(root / "cache"))
-        built = CliRunner().invoke(app, ["distill", "--bld", "--model", str(model), "--recipe", str(recipe),
+        built = CliRunner().invoke(app, ["library", "build", "--model", str(model), "--recipe", str(recipe),
                                          "--data", str(text), "--out", str(lib), "--quiet", *extra])
     assert built.exit_code == 0, built.output
     return {"text": text, "recipe": recipe, "lib": lib}

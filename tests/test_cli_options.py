@@ -13,14 +13,14 @@ from test_merge_common import make_base, make_finetune
 
 runner = CliRunner()
 
-COMPUTING = ["search", "distill", "finetune", "eval", "calibrate", "merge", "solve"]
-WRITES_WEIGHTS = ["search", "distill", "finetune", "merge"]
+COMPUTING = ["search", "library build", "distill", "finetune", "eval", "calibrate", "merge", "solve"]
+WRITES_WEIGHTS = ["search", "library build", "distill", "finetune", "merge"]
 # export streams tensors from file to file and never runs a model; fetch and recipes compute nothing.
 NOT_COMPUTING = ["export", "fetch", "recipes"]
 
 
 def _help(verb: str) -> str:
-    result = runner.invoke(app, [verb, "--help"], env={"COLUMNS": "200", "TERMINAL_WIDTH": "200"})
+    result = runner.invoke(app, [*verb.split(), "--help"], env={"COLUMNS": "200", "TERMINAL_WIDTH": "200"})
     assert result.exit_code == 0, result.output
     return result.output
 
@@ -36,7 +36,7 @@ def test_computing_verbs_list_device_and_dtype(verb):
     assert ("--save-dtype" in flags) == (verb in WRITES_WEIGHTS)
 
 
-@pytest.mark.parametrize("verb", ["search", "distill", "finetune", "eval"])
+@pytest.mark.parametrize("verb", ["search", "library build", "distill", "finetune", "eval"])
 def test_the_dtype_rule_is_in_help(verb):
     text = " ".join(_help(verb).split())
     for phrase in ("auto (bfloat16 on a GPU that supports it, float32 on a CPU)", "float32 master weights",
@@ -110,9 +110,9 @@ def test_distill_passes_placement_and_set(monkeypatch, tmp_path, text_file):
     assert (options.device, options.dtype, options.save_dtype) == ("cpu", "float32", "bfloat16")
 
 
-def test_distill_bld_passes_placement(monkeypatch, tmp_path):
-    seen = _capture(monkeypatch, "mlxkit.engines.puzzle.library.build", "run_distill", {"done": 1})
-    result = runner.invoke(app, ["distill", "--bld", "--out", str(tmp_path / "lib"), "--device", "cpu", "--dtype",
+def test_library_build_passes_placement(monkeypatch, tmp_path):
+    seen = _capture(monkeypatch, "mlxkit.engines.puzzle.library.build", "run_library_build", {"done": 1})
+    result = runner.invoke(app, ["library", "build", "--out", str(tmp_path / "lib"), "--device", "cpu", "--dtype",
                                  "bf16", "--json"])
     assert result.exit_code == 0, result.output
     assert (seen[0][0].device, seen[0][0].dtype, seen[0][0].save_dtype) == ("cpu", "bf16", None)

@@ -26,8 +26,20 @@ VALUES = {"device": "cpu", "dtype": "float32", "save_dtype": "float32", "shardin
           "text_field": "text", "seed": "1", "refine": "1", "grid": "4x4", "leaf": "8", "costs": "profile"}
 
 
+def _leaf_commands(group, prefix: str = "") -> dict:
+    """Every command that runs, by its path under `mlx` ("search", "library build"): a sub-app's commands too."""
+    found = {}
+    for name, command in group.commands.items():
+        path = f"{prefix}{name}"
+        found.update(_leaf_commands(command, f"{path} ") if hasattr(command, "commands") else {path: command})
+    return found
+
+
+COMMANDS = _leaf_commands(typer.main.get_command(app))
+
+
 def _command(verb: str):
-    return typer.main.get_command(app).commands[verb]  # type: ignore[attr-defined]
+    return COMMANDS[verb]
 
 
 def _module_modes(verb: str):
@@ -105,7 +117,11 @@ def _unused_parameters(function) -> list[str]:
     return [name for name in names if name not in used]
 
 
-@pytest.mark.parametrize("verb", sorted(typer.main.get_command(app).commands))  # type: ignore[attr-defined]
+def test_the_walk_reaches_sub_apps():
+    assert "library build" in COMMANDS and "library" not in COMMANDS
+
+
+@pytest.mark.parametrize("verb", sorted(COMMANDS))
 def test_every_flag_of_every_verb_is_read(verb):
     callback = _command(verb).callback
     assert _unused_parameters(callback) == [], f"mlx {verb} parses these and never reads them"

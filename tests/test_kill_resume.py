@@ -1,6 +1,6 @@
 """SIGKILL at seeded random writes, then the same command again: the result of an uninterrupted run.
 
-For `merge`, `distill --bld`, `distill --gkd` and `finetune` (lora and htuning), one
+For `merge`, `library build`, `distill --gkd` and `finetune` (lora and htuning), one
 uninterrupted run counts its writes (see `kill_points.py`) and is the reference. Then, for
 seeded random kill points K and a seeded choice of kill mode (before a write, after it, or
 with the file torn in half), a fresh run is SIGKILLed at write K and the unchanged command is
@@ -119,9 +119,9 @@ def _write_text(path: Path) -> Path:
 
 
 class BuildLibrary(Verb):
-    """`distill --bld` builds its library in place (resumable block by block), so `out` exists while it runs."""
+    """`library build` builds its library in place (resumable block by block), so `out` exists while it runs."""
 
-    name = "distill-bld"
+    name = "library-build"
 
     def prepare(self, inputs: Path) -> None:
         _saved(make_tiny_llama(seed=0), inputs / "parent")
@@ -129,7 +129,7 @@ class BuildLibrary(Verb):
         _write_text(inputs / "text.txt")
 
     def args(self, inputs, out):
-        return ["distill", "--bld", "--model", str(inputs / "parent"), "--recipe", str(inputs / "tiny.yaml"),
+        return ["library", "build", "--model", str(inputs / "parent"), "--recipe", str(inputs / "tiny.yaml"),
                 "--data", str(inputs / "text.txt"), "--out", str(out)]
 
     def result(self, out):

@@ -1,4 +1,4 @@
-"""`mlx distill --bld` in bfloat16: the same library as in float32, within bfloat16's precision, written in bfloat16.
+"""`mlx library build` in bfloat16: the same library as in float32, within bfloat16's precision, written in bfloat16.
 
 bfloat16 matmuls are slow on a CPU, so the parent is the tiny Llama (hidden 32, 2 layers)
 and the recipe the tiny one of conftest (8 BLD steps per block, 2 held-out sequences).
@@ -19,7 +19,7 @@ from mlxkit.engines.errors import InputError
 from mlxkit.engines.models.decilm.blocks import FFNVariant
 from mlxkit.engines.puzzle.library.block_init import initialise
 from mlxkit.engines.puzzle.library.bld import train_subblock
-from mlxkit.engines.puzzle.library.build import DistillOptions, run_distill
+from mlxkit.engines.puzzle.library.build import LibraryBuildOptions, run_library_build
 from mlxkit.engines.puzzle.library.store import LibraryDir, read_library
 from mlxkit.engines.puzzle.recipe import BLDSpec, load_recipe
 from mlxkit.engines.puzzle.subblocks import parent_subblock
@@ -47,8 +47,8 @@ def _files(root: Path) -> dict[str, Path]:
     return {"model": model_dir, "recipe": recipe, "data": text}
 
 
-def _options(files: dict[str, Path], out: Path, **extra) -> DistillOptions:
-    return DistillOptions(model=str(files["model"]), out=out, recipe=load_recipe(str(files["recipe"])),
+def _options(files: dict[str, Path], out: Path, **extra) -> LibraryBuildOptions:
+    return LibraryBuildOptions(model=str(files["model"]), out=out, recipe=load_recipe(str(files["recipe"])),
                           data=files["data"], device="cpu", keep_activations=True, **extra)
 
 
@@ -60,7 +60,7 @@ def libraries(tmp_path_factory) -> dict[str, Path]:
     built = {"files": files}
     for dtype in ("float32", "bfloat16"):
         built[dtype] = root / f"lib-{dtype}"
-        run_distill(_options(files, built[dtype], dtype=dtype))
+        run_library_build(_options(files, built[dtype], dtype=dtype))
     return built
 
 
@@ -109,11 +109,11 @@ def test_save_dtype_overrides_and_a_directory_keeps_its_precision(libraries, tmp
     files = libraries["files"]
     out = tmp_path / "lib"
     # Initialisation only, no scoring: the cheap way to get blocks written from a bfloat16 run.
-    run_distill(_options(files, out, dtype="bfloat16", save_dtype="float32", train=False, score=False))
+    run_library_build(_options(files, out, dtype="bfloat16", save_dtype="float32", train=False, score=False))
     blocks = list(LibraryDir(out).blocks.glob("*.safetensors"))
     assert blocks and all(_dtypes(path) == {torch.float32} for path in blocks)
     with pytest.raises(InputError, match="compute_dtype"):
-        run_distill(_options(files, out, dtype="float32", train=False, score=False))
+        run_library_build(_options(files, out, dtype="float32", train=False, score=False))
 
 
 def test_a_run_key_written_before_the_dtype_fields_resumes_as_float32(libraries, tmp_path):
@@ -125,7 +125,7 @@ def test_a_run_key_written_before_the_dtype_fields_resumes_as_float32(libraries,
         del key[field]
     run_json.write_text(json.dumps(key))
     (out / "library.json").unlink()
-    run_distill(_options(libraries["files"], out, dtype="float32"))
+    run_library_build(_options(libraries["files"], out, dtype="float32"))
     assert read_library(out).run_key.compute_dtype == "float32"
 
 

@@ -1,4 +1,4 @@
-"""`mlx distill --bld` end to end on a tiny parent: library, resume, scoring against a full-model reference;
+"""`mlx library build` end to end on a tiny parent: library, resume, scoring against a full-model reference;
 and BLD training itself (it lowers the loss; a run that makes things worse is undone)."""
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from mlxkit.engines.puzzle.subblocks import parent_subblock
 runner = CliRunner()
 
 
-def _distill(model_dir, tiny_recipe_file, text_file, out, *extra):
-    result = runner.invoke(app, ["distill", "--bld", "--model", str(model_dir), "--recipe", str(tiny_recipe_file),
+def _build_library(model_dir, tiny_recipe_file, text_file, out, *extra):
+    result = runner.invoke(app, ["library", "build", "--model", str(model_dir), "--recipe", str(tiny_recipe_file),
                                  "--data", str(text_file), "--out", str(out), "--json", *extra])
     assert result.exit_code == 0, result.output
     return json.loads(result.stdout)
@@ -40,7 +40,7 @@ def _distill(model_dir, tiny_recipe_file, text_file, out, *extra):
 
 def test_library_is_built_scored_and_resumable(tiny_llama_dir, tiny_recipe_file, text_file, tmp_path):
     out = tmp_path / "lib"
-    summary = _distill(tiny_llama_dir, tiny_recipe_file, text_file, out)
+    summary = _build_library(tiny_llama_dir, tiny_recipe_file, text_file, out)
     library = read_library(out)
     layer0 = library.layers[0]
     assert set(layer0.attention) == {"kv2", "kv1", "linear", "no_op"}
@@ -87,7 +87,7 @@ def test_library_is_built_scored_and_resumable(tiny_llama_dir, tiny_recipe_file,
     lib.block_record(1, "ffn", "ffn32").unlink()
     lib.score_record(1, "ffn", "ffn32").unlink()
     (out / "library.json").unlink()
-    _distill(tiny_llama_dir, tiny_recipe_file, text_file, out)
+    _build_library(tiny_llama_dir, tiny_recipe_file, text_file, out)
     assert kept.stat().st_mtime_ns == kept_mtime, "finished blocks must never be retrained"
     after = load_file(str(victim))
     for key in before:  # seeded per block: the redone block is the same block
@@ -97,14 +97,14 @@ def test_library_is_built_scored_and_resumable(tiny_llama_dir, tiny_recipe_file,
     # --score-only rescoring reproduces the scores.
     for path in lib.scores.glob("*.json"):
         path.unlink()
-    rescored = _distill(tiny_llama_dir, tiny_recipe_file, text_file, out, "--score-only")
+    rescored = _build_library(tiny_llama_dir, tiny_recipe_file, text_file, out, "--score-only")
     assert rescored["median_kl_nontrivial"] == pytest.approx(summary["median_kl_nontrivial"], rel=1e-5)
 
 
 def test_streamed_score_equals_full_model_with_the_block_swapped_in(tiny_llama_dir, tiny_recipe_file, text_file,
                                                                      tmp_path):
     out = tmp_path / "lib"
-    _distill(tiny_llama_dir, tiny_recipe_file, text_file, out)
+    _build_library(tiny_llama_dir, tiny_recipe_file, text_file, out)
     library = read_library(out)
     parent = from_parent(load_model(str(tiny_llama_dir)).model)
     parent.config._attn_implementation = "sdpa"
@@ -125,13 +125,36 @@ def test_streamed_score_equals_full_model_with_the_block_swapped_in(tiny_llama_d
         assert library.layers[layer].entries(kind)[name].metrics["kl_div"] == pytest.approx(kl, rel=1e-4, abs=1e-6)
 
 
+def test_library_build_has_its_own_help():
+    result = runner.invoke(app, ["library", "build", "--help"])
+    assert result.exit_code == 0 and "--score-only" in result.output and "--keep-activations" in result.output
+
+
+def test_distill_bld_is_the_same_build_with_a_notice(tiny_llama_dir, tiny_recipe_file, text_file, tmp_path):
+    args = ["--model", str(tiny_llama_dir), "--recipe", str(tiny_recipe_file), "--data", str(text_file),
+            "--init-only", "--json"]
+    built = _build_library(tiny_llama_dir, tiny_recipe_file, text_file, tmp_path / "new", "--init-only")
+    aliased = runner.invoke(app, ["distill", "--bld", *args, "--out", str(tmp_path / "old")])
+    assert aliased.exit_code == 0, aliased.output
+    notices = [line for line in aliased.stderr.splitlines() if line.startswith("note:")]
+    assert len(notices) == 1 and "--bld is now `mlx library build`" in notices[0]
+    old = json.loads(aliased.stdout)
+    for summary in (built, old):
+        summary.pop("library"), summary.pop("wall_time_s")
+    assert old == built
+    for name in ("new", "old"):
+        assert json.loads((tmp_path / name / "mlxkit.json").read_text())["verb"] == "library build"
+    refused = runner.invoke(app, ["distill", "--bld", *args, "--out", str(tmp_path / "x"), "--tokens", "8"])
+    assert refused.exit_code == 2 and "--tokens means nothing for distill --bld" in refused.stderr
+
+
 def test_distill_refuses_a_directory_built_with_other_settings(tiny_llama_dir, tiny_recipe_file, text_file, tmp_path):
     out = tmp_path / "lib"
-    _distill(tiny_llama_dir, tiny_recipe_file, text_file, out, "--no-score")
-    result = runner.invoke(app, ["distill", "--bld", "--model", str(tiny_llama_dir), "--recipe", str(tiny_recipe_file),
+    _build_library(tiny_llama_dir, tiny_recipe_file, text_file, out, "--no-score")
+    result = runner.invoke(app, ["library", "build", "--model", str(tiny_llama_dir), "--recipe", str(tiny_recipe_file),
                                  "--data", str(text_file), "--out", str(out), "--seed", "7"])
     assert result.exit_code != 0 and "other settings" in result.output and "Traceback" not in result.output
-    missing = runner.invoke(app, ["distill", "--bld", "--recipe", "nope", "--out", str(tmp_path / "x")])
+    missing = runner.invoke(app, ["library", "build", "--recipe", "nope", "--out", str(tmp_path / "x")])
     assert missing.exit_code != 0 and "unknown recipe" in missing.output
 
 
@@ -157,7 +180,7 @@ def test_an_unfinished_library_with_other_settings_is_discarded_with_a_notice(ti
 
 def test_init_only_writes_the_initialised_blocks_untrained(tiny_llama_dir, tiny_recipe_file, text_file, tmp_path):
     out = tmp_path / "lib"
-    summary = _distill(tiny_llama_dir, tiny_recipe_file, text_file, out, "--init-only", "--keep-activations")
+    summary = _build_library(tiny_llama_dir, tiny_recipe_file, text_file, out, "--init-only", "--keep-activations")
     assert summary["subblocks_trained"] == 0 and summary["variants_scored"] == 8
     library = read_library(out)
     assert library.run_key.train is False
@@ -179,9 +202,9 @@ def test_init_only_writes_the_initialised_blocks_untrained(tiny_llama_dir, tiny_
         for key in expected:
             torch.testing.assert_close(stored[key], expected[key], rtol=0, atol=0)
     # Rescoring keeps the record of how the blocks were built; resuming it as a trained run is refused.
-    _distill(tiny_llama_dir, tiny_recipe_file, text_file, out, "--score-only")
+    _build_library(tiny_llama_dir, tiny_recipe_file, text_file, out, "--score-only")
     assert read_library(out).run_key.train is False
-    trained = runner.invoke(app, ["distill", "--bld", "--model", str(tiny_llama_dir), "--recipe", str(tiny_recipe_file),
+    trained = runner.invoke(app, ["library", "build", "--model", str(tiny_llama_dir), "--recipe", str(tiny_recipe_file),
                                   "--data", str(text_file), "--out", str(out)])
     assert trained.exit_code != 0 and "other settings (train)" in trained.output
 
@@ -244,11 +267,11 @@ def test_bld_clips_the_gradient_at_the_recipe_s_limit(grad_clip, monkeypatch):
 @pytest.mark.distributed
 def test_two_process_torchrun_matches_single_process(tiny_llama_dir, tiny_recipe_file, text_file, tmp_path):
     single = tmp_path / "single"
-    _distill(tiny_llama_dir, tiny_recipe_file, text_file, single)
+    _build_library(tiny_llama_dir, tiny_recipe_file, text_file, single)
     multi = tmp_path / "multi"
     env = {**os.environ, "MLXKIT_BACKEND": "gloo", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
-           "-m", "mlxkit", "distill", "--bld", "--model", str(tiny_llama_dir), "--recipe", str(tiny_recipe_file),
+           "-m", "mlxkit", "library", "build", "--model", str(tiny_llama_dir), "--recipe", str(tiny_recipe_file),
            "--data", str(text_file), "--out", str(multi), "--quiet"]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -267,8 +290,8 @@ def test_two_process_torchrun_matches_single_process(tiny_llama_dir, tiny_recipe
 def test_a_finished_library_drops_its_activation_cache_and_rescoring_recomputes_it(tiny_llama_dir, tiny_recipe_file,
                                                                                    text_file, tmp_path):
     kept, dropped = tmp_path / "kept", tmp_path / "dropped"
-    _distill(tiny_llama_dir, tiny_recipe_file, text_file, kept, "--keep-activations")
-    _distill(tiny_llama_dir, tiny_recipe_file, text_file, dropped)
+    _build_library(tiny_llama_dir, tiny_recipe_file, text_file, kept, "--keep-activations")
+    _build_library(tiny_llama_dir, tiny_recipe_file, text_file, dropped)
     assert any((kept / ".work" / "activations").iterdir())
     assert not (dropped / ".work" / "activations").exists()
     assert (dropped / ".work" / "tokens.pt").exists()  # the held-out tokens stay for the search's evaluation
@@ -279,5 +302,5 @@ def test_a_finished_library_drops_its_activation_cache_and_rescoring_recomputes_
                 for kind in ("attention", "ffn") for name, entry in layer.entries(kind).items()}
 
     assert scores(dropped) == scores(kept)
-    _distill(tiny_llama_dir, tiny_recipe_file, text_file, dropped, "--score-only")
+    _build_library(tiny_llama_dir, tiny_recipe_file, text_file, dropped, "--score-only")
     assert scores(dropped) == scores(kept) and not (dropped / ".work" / "activations").exists()

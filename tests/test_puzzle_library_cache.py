@@ -51,7 +51,7 @@ def test_the_same_inputs_reuse_the_built_library(tiny_llama_dir, tiny_recipe_fil
     def refuse(*args, **kwargs):
         raise AssertionError("the library was rebuilt")
 
-    monkeypatch.setattr(build, "run_distill", refuse)
+    monkeypatch.setattr(build, "run_library_build", refuse)
     again = recording_reporter()
     assert ensure_library(str(tiny_llama_dir), str(tiny_recipe_file), data=text_file, seed=0, device="cpu",
                           reporter=again) == path

@@ -198,7 +198,7 @@ def test_a_library_calibrated_on_sampled_text_is_not_refined_unless_asked(tiny_l
 
     runner = CliRunner()
     library = tmp_path / "lib"
-    built = runner.invoke(app, ["distill", "--bld", "--model", str(tiny_llama_dir), "--recipe", str(tiny_recipe_file),
+    built = runner.invoke(app, ["library", "build", "--model", str(tiny_llama_dir), "--recipe", str(tiny_recipe_file),
                                 "--out", str(library), "--quiet"])
     assert built.exit_code == 0, built.output
     search = ["search", "--target", "h100", "--library", str(library), "--throughput", "1.3x"]

@@ -278,7 +278,7 @@ def test_a_parent_the_export_format_cannot_hold_fails_before_the_library_is_buil
     from mlxkit.engines.puzzle.library import build
 
     parent = save_with_tokenizer(make_tiny_llama(head_dim=16), tmp_path / "parent")  # not hidden / heads
-    monkeypatch.setattr(build, "run_distill", lambda *a, **k: pytest.fail("the library build started"))
+    monkeypatch.setattr(build, "run_library_build", lambda *a, **k: pytest.fail("the library build started"))
     result = runner.invoke(app, ["search", "--model", str(parent), "--target", "h100", "--export", "nemotron-nas",
                                  "--out", str(tmp_path / "child")])
     assert result.exit_code == 2 and "Nemotron-NAS derives head_dim" in result.output

@@ -1,4 +1,4 @@
-"""`distill --bld` with a streamed parent: the same library as with the whole parent in memory, bit for
+"""`library build` with a streamed parent: the same library as with the whole parent in memory, bit for
 bit, while at most one decoder layer is ever read in; and an activation cache that resumes per layer."""
 
 from __future__ import annotations
@@ -16,15 +16,15 @@ from mlxkit.engines.data.sampled import model_fingerprint
 from mlxkit.engines.models.decilm.convert import ResidentParent, StreamedParent, from_parent
 from mlxkit.engines.models.loading import load_config, load_model
 from mlxkit.engines.puzzle.library import activations, build, scoring
-from mlxkit.engines.puzzle.library.build import DistillOptions, run_distill
+from mlxkit.engines.puzzle.library.build import LibraryBuildOptions, run_library_build
 from mlxkit.engines.puzzle.recipe import load_recipe
 from mlxkit.engines.training.device import Placement
 
 
-def _options(parent: Path, recipe: Path, out: Path, **extra) -> DistillOptions:
+def _options(parent: Path, recipe: Path, out: Path, **extra) -> LibraryBuildOptions:
     extra.setdefault("data", None)
     extra.setdefault("keep_activations", True)  # these tests compare the activation caches
-    return DistillOptions(model=str(parent), out=out, recipe=load_recipe(str(recipe)), device="cpu", **extra)
+    return LibraryBuildOptions(model=str(parent), out=out, recipe=load_recipe(str(recipe)), device="cpu", **extra)
 
 
 def _tensors(directory: Path) -> dict[str, dict[str, torch.Tensor]]:
@@ -81,12 +81,12 @@ def deep_parent(tmp_path) -> Path:
 def test_streamed_library_equals_the_resident_one(tied, tmp_path, tiny_recipe_file, text_file, monkeypatch):
     parent = save_with_tokenizer(make_tiny_llama(num_hidden_layers=3, tie_word_embeddings=tied), tmp_path / "p")
     resident = tmp_path / "resident"
-    run_distill(_options(parent, tiny_recipe_file, resident, data=text_file, stream=False))
+    run_library_build(_options(parent, tiny_recipe_file, resident, data=text_file, stream=False))
     # A budget of three variants' held-out states: scoring takes several passes over the tail.
     monkeypatch.setattr(scoring, "STATE_BUDGET_BYTES", 3 * 2 * 32 * 32 * 4)
     watch = _LayerWatch(monkeypatch)
     streamed = tmp_path / "streamed"
-    run_distill(_options(parent, tiny_recipe_file, streamed, data=text_file))
+    run_library_build(_options(parent, tiny_recipe_file, streamed, data=text_file))
     assert watch.whole_loads == 0 and watch.most_held == 1
     for sub in ("blocks", ".work/activations"):
         assert _same_tensors(_tensors(resident / sub), _tensors(streamed / sub)), sub
@@ -128,7 +128,7 @@ def test_streamed_parent_reads_the_converted_parents_tensors(family, dtype, tmp_
 def test_a_killed_cache_recomputes_only_the_unfinished_layers(deep_parent, tiny_recipe_file, text_file, tmp_path,
                                                               monkeypatch):
     reference = tmp_path / "reference"
-    run_distill(_options(deep_parent, tiny_recipe_file, reference, data=text_file, score=False, train=False))
+    run_library_build(_options(deep_parent, tiny_recipe_file, reference, data=text_file, score=False, train=False))
 
     computed: list[int] = []
     real = activations.layer_states
@@ -143,13 +143,13 @@ def test_a_killed_cache_recomputes_only_the_unfinished_layers(deep_parent, tiny_
     out = tmp_path / "lib"
     kill = True
     with pytest.raises(KeyboardInterrupt):
-        run_distill(_options(deep_parent, tiny_recipe_file, out, data=text_file, score=False, train=False))
+        run_library_build(_options(deep_parent, tiny_recipe_file, out, data=text_file, score=False, train=False))
     cache = out / ".work" / "activations"
     assert sorted(p.name for p in cache.glob("*.safetensors")) == ["layer000.safetensors", "layer001.safetensors"]
     stamps = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in cache.glob("*.safetensors")}
 
     kill, computed[:] = False, []
-    run_distill(_options(deep_parent, tiny_recipe_file, out, data=text_file, score=False, train=False))
+    run_library_build(_options(deep_parent, tiny_recipe_file, out, data=text_file, score=False, train=False))
     assert computed == [2, 3]
     assert {name: (cache / name).stat().st_ino for name in stamps} == {n: s[0] for n, s in stamps.items()}
     assert {name: (cache / name).stat().st_mtime_ns for name in stamps} == {n: s[1] for n, s in stamps.items()}
@@ -159,24 +159,24 @@ def test_a_killed_cache_recomputes_only_the_unfinished_layers(deep_parent, tiny_
 def test_a_cache_killed_before_its_final_file_resumes_at_the_end(deep_parent, tiny_recipe_file, text_file, tmp_path,
                                                                   monkeypatch):
     reference = tmp_path / "reference"
-    run_distill(_options(deep_parent, tiny_recipe_file, reference, data=text_file, score=False, train=False))
+    run_library_build(_options(deep_parent, tiny_recipe_file, reference, data=text_file, score=False, train=False))
     out = tmp_path / "lib"
-    run_distill(_options(deep_parent, tiny_recipe_file, out, data=text_file, score=False, train=False))
+    run_library_build(_options(deep_parent, tiny_recipe_file, out, data=text_file, score=False, train=False))
     cache = out / ".work" / "activations"
     (cache / "final.safetensors").unlink()
     monkeypatch.setattr(activations, "layer_states", lambda *a, **k: pytest.fail("a cached layer was recomputed"))
-    run_distill(_options(deep_parent, tiny_recipe_file, out, data=text_file, score=False, train=False))
+    run_library_build(_options(deep_parent, tiny_recipe_file, out, data=text_file, score=False, train=False))
     assert _same_tensors(_tensors(reference / ".work" / "activations"), _tensors(cache))
 
 
 def test_sampling_loads_the_whole_parent_once_then_streams(deep_parent, tiny_recipe_file, tmp_path, monkeypatch):
     watch = _LayerWatch(monkeypatch)
     out = tmp_path / "lib"
-    run_distill(_options(deep_parent, tiny_recipe_file, out, score=False, train=False))
+    run_library_build(_options(deep_parent, tiny_recipe_file, out, score=False, train=False))
     assert watch.whole_loads == 1 and watch.most_held == 1
     # Resumed with its tokens cached: nothing loads the whole parent again.
     (out / ".work" / "activations" / "final.safetensors").unlink()
-    run_distill(_options(deep_parent, tiny_recipe_file, out, score=False, train=False))
+    run_library_build(_options(deep_parent, tiny_recipe_file, out, score=False, train=False))
     assert watch.whole_loads == 1
 
 
@@ -189,7 +189,7 @@ def test_a_parent_without_safetensors_is_held_whole(tmp_path):
     torch.save(model.state_dict(), path / "pytorch_model.bin")
     make_char_tokenizer().save_pretrained(path)
     notices = recording_reporter()
-    options = DistillOptions(model=str(path), out=tmp_path / "lib", recipe=load_recipe("quick"), allow_pickle=True,
+    options = LibraryBuildOptions(model=str(path), out=tmp_path / "lib", recipe=load_recipe("quick"), allow_pickle=True,
                              device="cpu")
     parent, layers, _, _ = build._open_parent(options, Placement.cpu(), notices)
     assert isinstance(layers, ResidentParent) and not any(p.is_meta for p in parent.parameters())
@@ -204,7 +204,7 @@ def test_a_streamed_parent_with_a_nan_weight_is_refused(tmp_path, tiny_recipe_fi
         model.model.layers[1].mlp.up_proj.weight[3, 5] = float("nan")
     path = save_with_tokenizer(model, tmp_path / "nan")
     with pytest.raises(NonFiniteError, match="model.layers.1.mlp.up_proj.weight"):
-        run_distill(_options(path, tiny_recipe_file, tmp_path / "lib", data=text_file))
+        run_library_build(_options(path, tiny_recipe_file, tmp_path / "lib", data=text_file))
 
 
 def _mixed_choices(num_layers: int):
@@ -228,7 +228,7 @@ def test_write_child_equals_the_assembled_child(tied, dtype, tmp_path, tiny_reci
     mlxkit.register_auto_classes()
     parent_dir = save_with_tokenizer(make_tiny_llama(num_hidden_layers=4, tie_word_embeddings=tied), tmp_path / "p")
     library = LibraryDir(tmp_path / "lib")
-    run_distill(_options(parent_dir, tiny_recipe_file, library.root, data=text_file, score=False, train=False))
+    run_library_build(_options(parent_dir, tiny_recipe_file, library.root, data=text_file, score=False, train=False))
     choices = _mixed_choices(4)
     parent = from_parent(load_model(str(parent_dir)).model)
     expected = assemble_child(parent, library, choices, dtype=dtype).state_dict()

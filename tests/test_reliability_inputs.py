@@ -248,19 +248,19 @@ CASES = [
     # ---- recipes
     ("recipes-extra-arg", lambda w: ["recipes", "nosuch"], [], []),
     # ---- distill --bld
-    ("bld-truncated", lambda w: ["distill", "--bld", "--model", str(_model_with(w, "truncated")), "--recipe",
+    ("bld-truncated", lambda w: ["library", "build", "--model", str(_model_with(w, "truncated")), "--recipe",
                                  str(w["recipe"]), "--data", str(w["text"]), "--out", OUT], ["truncated"], []),
-    ("bld-one-nan-weight", lambda w: ["distill", "--bld", "--model", str(_model_with(w, "one-nan")), "--recipe",
+    ("bld-one-nan-weight", lambda w: ["library", "build", "--model", str(_model_with(w, "one-nan")), "--recipe",
                                       str(w["recipe"]), "--data", str(w["text"]), "--out", OUT], ["nan or infinite"], []),
-    ("bld-missing-data", lambda w: ["distill", "--bld", "--model", str(w["model"]), "--recipe", str(w["recipe"]),
+    ("bld-missing-data", lambda w: ["library", "build", "--model", str(w["model"]), "--recipe", str(w["recipe"]),
                                     "--data", str(w["case"] / "missing.txt"), "--out", OUT], ["missing.txt"], []),
-    ("bld-bad-recipe-yaml", lambda w: ["distill", "--bld", "--model", str(w["model"]), "--recipe",
+    ("bld-bad-recipe-yaml", lambda w: ["library", "build", "--model", str(w["model"]), "--recipe",
                                        str(_write(w, "bad.yaml", "a: [1,\n")),
                                        "--data", str(w["text"]), "--out", OUT], ["bad.yaml"], []),
-    ("bld-recipe-unknown-field", lambda w: ["distill", "--bld", "--model", str(w["model"]), "--recipe",
+    ("bld-recipe-unknown-field", lambda w: ["library", "build", "--model", str(w["model"]), "--recipe",
                                             str(_write(w, "x.yaml", TINY_PUZZLE_RECIPE + "bogus: 1\n")),
                                             "--data", str(w["text"]), "--out", OUT], ["bogus"], []),
-    ("bld-out-existing-file", lambda w: ["distill", "--bld", "--model", str(w["model"]), "--recipe",
+    ("bld-out-existing-file", lambda w: ["library", "build", "--model", str(w["model"]), "--recipe",
                                          str(w["recipe"]), "--data", str(w["text"]), "--out", str(_existing_file(w))],
      ["taken"], []),
     ("bld-no-mode", lambda w: ["distill", "--model", str(w["model"]), "--out", OUT], [], []),
@@ -402,7 +402,7 @@ CASES = [
      ["taken", "not a directory"], []),
     ("gkd-parent-is-file", lambda w: ["distill", "--gkd", *_student_kd(w, ["--out", _under_file(w, "gkd")])],
      ["taken", "not a directory"], []),
-    ("bld-parent-is-file", lambda w: ["distill", "--bld", "--model", str(w["model"]), "--recipe", str(w["recipe"]),
+    ("bld-parent-is-file", lambda w: ["library", "build", "--model", str(w["model"]), "--recipe", str(w["recipe"]),
                                       "--data", str(w["text"]), "--out", _under_file(w, "lib")],
      ["taken", "not a directory"], []),
     ("calibrate-parent-is-file", lambda w: ["calibrate", "--model", str(w["model"]), "--out",
@@ -452,7 +452,7 @@ CASES = [
     ("gkd-micro-batch-beyond-memory", lambda w: ["distill", "--gkd", *_student_kd(w, [
         "--set", "data.seq_len=256", "--set", "optim.batch_sequences=4000000",
         "--set", "optim.micro_batch_sequences=4000000", "--out", OUT])], ["GKD", "needs at least", "this machine"], []),
-    ("bld-score-sequences-beyond-memory", lambda w: ["distill", "--bld", "--model", str(w["model"]), "--recipe",
+    ("bld-score-sequences-beyond-memory", lambda w: ["library", "build", "--model", str(w["model"]), "--recipe",
                                                      str(_write(w, "huge.yaml", TINY_PUZZLE_RECIPE.replace(
                                                          "score_sequences: 2", "score_sequences: 400000000"))),
                                                      "--data", str(w["text"]), "--out", OUT],
@@ -521,7 +521,7 @@ def test_bad_input_with_json_is_one_error_object(ws, tmp_path, name, build):
 
 def test_bld_missing_data_leaves_no_run_file(ws, tmp_path):
     out = tmp_path / "lib"
-    result = runner.invoke(app, ["distill", "--bld", "--model", str(ws["model"]), "--recipe", str(ws["recipe"]),
+    result = runner.invoke(app, ["library", "build", "--model", str(ws["model"]), "--recipe", str(ws["recipe"]),
                                  "--data", str(tmp_path / "missing.txt"), "--out", str(out)])
     assert result.exit_code != 0
     assert not (out / ".work" / "run.json").exists() and not out.exists()

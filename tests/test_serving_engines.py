@@ -44,7 +44,7 @@ def servable_library(servable_parent, text_file, tmp_path):
     recipe = tmp_path / "engine.yaml"
     recipe.write_text(ENGINE_RECIPE)
     out = tmp_path / "lib"
-    result = runner.invoke(app, ["distill", "--bld", "--model", str(servable_parent), "--recipe", str(recipe),
+    result = runner.invoke(app, ["library", "build", "--model", str(servable_parent), "--recipe", str(recipe),
                                  "--data", str(text_file), "--out", str(out), "--quiet"])
     assert result.exit_code == 0, result.output
     return out

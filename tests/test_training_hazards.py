@@ -143,7 +143,7 @@ def test_float16_training_is_refused_up_front(verb, gkd_pair, text_file, tmp_pat
     out = tmp_path / "out"
     teacher, student = map(str, gkd_pair)
     args = {"gkd": ["distill", "--gkd", "--teacher", teacher, "--student", student, "--data", str(text_file)],
-            "bld": ["distill", "--bld", "--model", teacher, "--data", str(text_file)],
+            "bld": ["library", "build", "--model", teacher, "--data", str(text_file)],
             "finetune": ["finetune", "--model", teacher, "--data", str(text_file)],
             "search": ["search", "--model", teacher, "--target", "cpu", "--data", str(text_file)]}[verb]
     result = runner.invoke(app, [*args, "--out", str(out), "--device", "cpu", "--dtype", "float16"])

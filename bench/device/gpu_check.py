@@ -276,7 +276,7 @@ class Step:
                              "--steps", steps, "--batch", "4", "--set", "data.seq_len=128",
                              "--set", "data.held_out_sequences=4", "--out", str(self.work / f"lora-{dtype}"),
                              "--overwrite", *self.dtype_flags(dtype)], recorder)
-            bld = run_verb(["distill", "--bld", "--model", str(self.models / "smollm2-135m-4l"), "--recipe", "quick",
+            bld = run_verb(["library", "build", "--model", str(self.models / "smollm2-135m-4l"), "--recipe", "quick",
                             "--data", str(self.valid), "--out", str(self.work / f"bld-{dtype}"),
                             *self.dtype_flags(dtype)], recorder)
             pairs[dtype] = {"gkd": gkd, "lora": lora, "bld": bld, "stages": recorder.stages}

@@ -1,4 +1,4 @@
-"""`mlx distill --bld`: build, train and score a Puzzle block library, resumably.
+"""`mlx library build`: build, train and score a Puzzle block library, resumably.
 
 Stages (each skips what a previous, killed run already finished):
   1. calibration tokens (the user's --data, or text sampled from the parent);
@@ -25,8 +25,8 @@ the tail once per pass, one layer at a time), and the cached activations of one 
 cases hold the whole parent: sampling calibration text (no --data), which runs `generate` on
 the full model, loads it only for the sampling and frees it before anything else; and a parent
 that is not a directory of safetensors in the Llama layout (a .gguf file, a hub id, pickle
-weights), which is converted in memory as a whole (`DistillOptions(stream=False)` asks for that
-path too; it is the reference the streamed one is tested against).
+weights), which is converted in memory as a whole (`LibraryBuildOptions(stream=False)` asks for
+that path too; it is the reference the streamed one is tested against).
 
 `ensure_library` is the build-if-missing entry `mlx search` uses: one cached library per
 (parent weights, recipe contents, data, seed, dtypes) under `MLXKIT_CACHE/libraries/`.
@@ -81,7 +81,7 @@ BLOCK_SEED_RULE = "derive_seed(seed, layer, kind, variant)"
 
 
 @dataclass(frozen=True)
-class DistillOptions:
+class LibraryBuildOptions:
     model: str
     out: Path
     recipe: PuzzleRecipe
@@ -118,7 +118,7 @@ class Unit:
         return f"layer {self.layer} {self.kind} {self.variant.name}"
 
 
-def run_distill(options: DistillOptions, reporter: Reporter | None = None) -> dict[str, Any]:
+def run_library_build(options: LibraryBuildOptions, reporter: Reporter | None = None) -> dict[str, Any]:
     """Build (unless score-only) and score the library at `options.out`; returns a summary."""
     reporter = reporter or Reporter()
     started = time.time()
@@ -167,7 +167,7 @@ def run_distill(options: DistillOptions, reporter: Reporter | None = None) -> di
         dist.close()
 
 
-def _open_parent(options: DistillOptions, placement: Placement, reporter: Reporter):
+def _open_parent(options: LibraryBuildOptions, placement: Placement, reporter: Reporter):
     """(converted parent, its layers, tokenizer, source): streamed from its safetensors files when it has
     them in the Llama layout, else loaded whole (see the module docstring)."""
     if options.stream:
@@ -189,7 +189,7 @@ def _open_parent(options: DistillOptions, placement: Placement, reporter: Report
     return parent, ResidentParent(parent), tokenizer, source
 
 
-def _check_memory(parent, options: DistillOptions, placement: Placement) -> None:
+def _check_memory(parent, options: LibraryBuildOptions, placement: Placement) -> None:
     """Refuse, before anything is written, a build whose lower-bound memory exceeds the device's.
 
     Counted: the parent's resident weights (a streamed parent's layers stay on the meta device),
@@ -213,7 +213,7 @@ def _check_memory(parent, options: DistillOptions, placement: Placement) -> None
                f"the block library of '{options.model}' (recipe '{recipe.name}')")
 
 
-def _load_parent(options: DistillOptions, placement: Placement, reporter: Reporter):
+def _load_parent(options: LibraryBuildOptions, placement: Placement, reporter: Reporter):
     """The parent, converted, on the run's device in the compute dtype (it is only ever run, never trained)."""
     loaded = load_model(options.model, dtype=placement.dtype, device=placement.device,
                         allow_pickle=options.allow_pickle, reporter=reporter)
@@ -244,7 +244,7 @@ def _parent_fingerprint(layers: StreamedParent | ResidentParent) -> str:
     return digest.hexdigest()[:16]
 
 
-def _run_key(options: DistillOptions, layers: StreamedParent | ResidentParent, precision: Precision) -> RunKey:
+def _run_key(options: LibraryBuildOptions, layers: StreamedParent | ResidentParent, precision: Precision) -> RunKey:
     data = {"spec": str(options.data), "hash": content_hash(options.data)} if options.data else "sampled"
     return RunKey(parent=_parent_fingerprint(layers), data=data, seed=options.seed, data_settings=options.recipe.data,
                   train=options.train, bld=options.recipe.bld, search_space=options.recipe.search_space,
@@ -252,7 +252,7 @@ def _run_key(options: DistillOptions, layers: StreamedParent | ResidentParent, p
                   save_dtype=dtype_name(precision.save_dtype))
 
 
-def _check_or_write_state(library: LibraryDir, options: DistillOptions, layers: StreamedParent | ResidentParent,
+def _check_or_write_state(library: LibraryDir, options: LibraryBuildOptions, layers: StreamedParent | ResidentParent,
                           precision: Precision, dist: Distributed, reporter: Reporter) -> RunKey | None:
     """Apply the stage-key rule to the library directory: an unfinished library built under the same key
     resumes, one under another key is discarded with a notice. A finished library under another key is an
@@ -292,7 +292,7 @@ def _check_or_write_state(library: LibraryDir, options: DistillOptions, layers: 
     return RunKey.model_validate(key.record)
 
 
-def _calibration_tokens(options: DistillOptions, layers: StreamedParent | ResidentParent, tokenizer,
+def _calibration_tokens(options: LibraryBuildOptions, layers: StreamedParent | ResidentParent, tokenizer,
                         library: LibraryDir, placement: Placement, dist: Distributed,
                         reporter: Reporter) -> tuple[torch.Tensor, torch.Tensor]:
     path = library.work / "tokens.pt"
@@ -361,7 +361,7 @@ def _trainable_units(space: SearchSpace) -> list[Unit]:
 
 
 def _build_blocks(parent, layers: StreamedParent | ResidentParent, space: SearchSpace, library: LibraryDir,
-                  options: DistillOptions, precision: Precision, dist: Distributed, reporter: Reporter) -> None:
+                  options: LibraryBuildOptions, precision: Precision, dist: Distributed, reporter: Reporter) -> None:
     """Initialise and train this rank's unfinished blocks, a layer at a time: each layer's cached
     states and its parent layer are held while that layer's variants train, then let go."""
     todo = [u for u in dist.share(_trainable_units(space)) if not library.has_block(u.layer, u.kind, u.variant.name)]
@@ -491,7 +491,7 @@ def _release_memory(placement: Placement) -> None:
         torch.cuda.empty_cache()
 
 
-def _write_index(parent, space: SearchSpace, library: LibraryDir, options: DistillOptions, source,
+def _write_index(parent, space: SearchSpace, library: LibraryDir, options: LibraryBuildOptions, source,
                  started: float, key: RunKey | None) -> BlockLibrary:
     shape = space.parent
     # The parent's own variants carry the parent's metrics against itself, as scored (KL 0,
@@ -526,7 +526,7 @@ def _write_index(parent, space: SearchSpace, library: LibraryDir, options: Disti
         recipe=options.recipe, run_key=key,
         calibration="sampled from the parent" if options.data is None else str(options.data),
         seed=options.seed, layers=layers)
-    manifest = Manifest(verb="distill", started=started)
+    manifest = Manifest(verb="library build", started=started)
     manifest.add_input("parent", options.model, source.path)
     if options.data:
         manifest.add_input("data", str(options.data), options.data)
@@ -601,7 +601,7 @@ def ensure_library(model: str, recipe: str, *, data: Path | None = None, seed: i
     """The cached library of (model weights, recipe contents, data, seed, dtypes), built and scored
     first if it has no index yet; a reused one is announced with the data and seed that built it.
 
-    `device`, `dtype` and `save_dtype` follow `DistillOptions`.
+    `device`, `dtype` and `save_dtype` follow `LibraryBuildOptions`.
     """
     reporter = reporter or Reporter()
     path = default_library_dir(model, recipe, data=data, seed=seed, device=device, dtype=dtype,
@@ -613,7 +613,7 @@ def ensure_library(model: str, recipe: str, *, data: Path | None = None, seed: i
         return path
     reporter.notice(f"building the '{recipe}' block library for {model} at {path} "
                     "(resumable; reused by later searches with the same inputs)")
-    run_distill(DistillOptions(model=model, out=path, recipe=load_recipe(recipe), data=data, seed=seed,
+    run_library_build(LibraryBuildOptions(model=model, out=path, recipe=load_recipe(recipe), data=data, seed=seed,
                                allow_pickle=allow_pickle, device=device, dtype=dtype, save_dtype=save_dtype),
                 reporter)
     return path
