@@ -161,11 +161,11 @@ def test_distill_refuses_a_directory_built_with_other_settings(tiny_llama_dir, t
 def test_an_unfinished_library_with_other_settings_is_discarded_with_a_notice(tiny_llama_dir, tiny_recipe_file,
                                                                                text_file, tmp_path):
     straight = tmp_path / "straight"
-    _distill(tiny_llama_dir, tiny_recipe_file, text_file, straight, "--no-score", "--seed", "7")
+    _build_library(tiny_llama_dir, tiny_recipe_file, text_file, straight, "--no-score", "--seed", "7")
     out = tmp_path / "lib"
-    _distill(tiny_llama_dir, tiny_recipe_file, text_file, out, "--no-score")
+    _build_library(tiny_llama_dir, tiny_recipe_file, text_file, out, "--no-score")
     LibraryDir(out).index_file.unlink()  # as a run killed before its index is written leaves it
-    rerun = runner.invoke(app, ["distill", "--bld", "--model", str(tiny_llama_dir), "--recipe", str(tiny_recipe_file),
+    rerun = runner.invoke(app, ["library", "build", "--model", str(tiny_llama_dir), "--recipe", str(tiny_recipe_file),
                                 "--data", str(text_file), "--out", str(out), "--no-score", "--seed", "7"])
     assert rerun.exit_code == 0, rerun.output
     notices = [line for line in rerun.stderr.splitlines() if "discarded an unfinished block library" in line]

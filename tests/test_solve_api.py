@@ -16,7 +16,7 @@ import scipy.sparse.linalg as spla
 import mlxkit.engines.solve.matrix as matrix_module
 import mlxkit.engines.solve.validate as validate_module
 from mlxkit.engines.errors import InputError, SingularMatrixError
-from mlxkit.engines.solve import Factorized, SolverWarning, SparseFallbackWarning, factorized, spsolve
+from mlxkit.engines.solve import Factorized, LinearSolveWarning, SparseFallbackWarning, factorized, spsolve
 
 
 def poisson(height: int, width: int, shift: float = 0.0) -> sp.csr_matrix:
@@ -116,7 +116,7 @@ def test_sparse_direct_methods_for_general_matrices():
     solve = factorized(a, method="superlu")
     assert solve.method == "superlu" and solve.grid is None
     assert close(solve(b), reference(a, b))
-    with pytest.warns(SolverWarning, match="float64"):
+    with pytest.warns(LinearSolveWarning, match="float64"):
         factorized(a, method="superlu", dtype="float32")
 
 

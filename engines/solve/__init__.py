@@ -10,7 +10,7 @@ from mlxkit.engines.solve.autograd import solve_stencil
 from mlxkit.engines.solve.grid import apply_stencil, csr_to_stencil, infer_grid, stencil_to_csr
 from mlxkit.engines.solve.matrix import (Factorized, SolveInfo, SolveOptions, SparseFallbackWarning, factorized,
                                          spsolve)
-from mlxkit.engines.solve.ssi import SSIFactor, SolverWarning
+from mlxkit.engines.solve.ssi import SSIFactor, LinearSolveWarning
 
-__all__ = ["Factorized", "SSIFactor", "SolveInfo", "SolveOptions", "SolverWarning", "SparseFallbackWarning",
+__all__ = ["Factorized", "SSIFactor", "SolveInfo", "SolveOptions", "LinearSolveWarning", "SparseFallbackWarning",
            "apply_stencil", "csr_to_stencil", "factorized", "infer_grid", "solve_stencil", "spsolve", "stencil_to_csr"]

@@ -30,7 +30,7 @@ from scipy.sparse.linalg import LinearOperator
 from mlxkit.engines.errors import InputError, SingularMatrixError
 from mlxkit.engines.solve.fallback import SparseDirect
 from mlxkit.engines.solve.grid import apply_stencil, csr_to_stencil, fits_grid, infer_grid
-from mlxkit.engines.solve.ssi import SolverWarning, SSIFactor
+from mlxkit.engines.solve.ssi import LinearSolveWarning, SSIFactor
 from mlxkit.engines.solve.validate import as_csr, grid_shape as check_grid_shape, rhs_matrix, sparse_parts
 from mlxkit.engines.training.device import resolve_device
 
@@ -65,7 +65,7 @@ def refine_target(unknowns: int) -> float:
     return float(np.sqrt(max(1, unknowns)) * np.finfo(np.float64).eps)
 
 
-class SparseFallbackWarning(SolverWarning):
+class SparseFallbackWarning(LinearSolveWarning):
     """The matrix is not a 9-point matrix on any 2-D grid, so the general sparse direct solver was used."""
 
 
@@ -365,10 +365,10 @@ class Factorized(LinearOperator):
                               SparseFallbackWarning, stacklevel=3)
             if options.dtype != "float64":
                 warnings.warn(f"dtype={options.dtype!r} applies to SSI only; {self.method} works in float64",
-                              SolverWarning, stacklevel=3)
+                              LinearSolveWarning, stacklevel=3)
             if device.type != "cpu":
                 warnings.warn(f"device={options.device!r} applies to SSI only; {self.method} runs on the CPU",
-                              SolverWarning, stacklevel=3)
+                              LinearSolveWarning, stacklevel=3)
         self.refine = DEFAULT_REFINE[self.factor_dtype] if options.refine is None else int(options.refine)
         self._host = RefinedSolve(self._solve, [self._a], self.refine) if self.refine or self._check else None
 

@@ -51,7 +51,7 @@ _INVERSE_MAX_SEPARATOR = 32
 _THREADED_SOLVE_BYTES = 512 * 2**20
 
 
-class SolverWarning(UserWarning):
+class LinearSolveWarning(UserWarning):
     """A solve finished, but its result deserves a second look (e.g. a large residual)."""
 
 
