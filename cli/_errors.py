@@ -19,7 +19,7 @@ from rich.console import Console
 from mlxkit.engines.errors import MlxkitError
 
 F = TypeVar("F", bound=Callable)
-_stderr = Console(stderr=True)
+stderr_console = Console(stderr=True)  # error and notice lines of every command
 
 # OSErrors that mean "bad input" (exit 2); any other OSError (a full disk, an I/O error) exits 1.
 _FOREIGN_INPUT_ERRORS: tuple[type[BaseException], ...] = (FileNotFoundError, IsADirectoryError, NotADirectoryError,
@@ -49,7 +49,7 @@ class Failure(typer.Exit):
 
 def fail(message: str, code: int = 2, error_type: str = "UsageError") -> Failure:
     """Print one error line and return the Exit to raise (flag conflicts and the like)."""
-    _stderr.print(f"[bold red]error:[/bold red] {message}", highlight=False, soft_wrap=True)
+    stderr_console.print(f"[bold red]error:[/bold red] {message}", highlight=False, soft_wrap=True)
     return Failure(message, code, error_type)
 
 

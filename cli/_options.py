@@ -19,7 +19,7 @@ from typing import Annotated, Any, Callable, Iterable, Iterator, Literal, Option
 import typer
 from rich.console import Console
 
-from mlxkit.cli._errors import fail
+from mlxkit.cli._errors import fail, stderr_console
 from mlxkit.engines.core.progress import Reporter, RichReporter
 from mlxkit.engines.training.device import DEVICE_HELP, DTYPE_HELP, SAVE_DTYPE_HELP
 
@@ -54,7 +54,6 @@ def set_option(*aliases: str, help: str = SET_HELP) -> Any:
 SetOpt = set_option()
 
 console = Console()
-_stderr = Console(stderr=True)
 
 
 def launch_rank() -> int:
@@ -70,7 +69,7 @@ def print_notice(message: str) -> None:
     that a spelling it uses has changed.
     """
     if launch_rank() == 0:
-        _stderr.print(f"[yellow]note:[/yellow] {message}", highlight=False, soft_wrap=True)
+        stderr_console.print(f"[yellow]note:[/yellow] {message}", highlight=False, soft_wrap=True)
 
 
 def make_reporter(json_out: bool, quiet: bool, verbose: bool) -> Reporter:

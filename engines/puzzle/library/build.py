@@ -278,18 +278,21 @@ def _check_or_write_state(library: LibraryDir, options: LibraryBuildOptions, lay
             raise InputError(f"'{library.root}' holds a library built with other settings ({', '.join(changed)}); "
                              "use another --out, or delete it to start over")
         dist.barrier()
-        try:  # the stored key, not this run's: --score-only does not know how the blocks were trained
-            return RunKey.model_validate(previous)
-        except ValidationError:
-            return None
+        # The stored key, not this run's: --score-only does not know how the blocks were trained.
+        return _stored_run_key(previous)
     stage = StageWork(library.root, library.run_key_file, what="an unfinished block library", is_main=dist.is_main,
                       barrier=dist.barrier)
     if stage.open(key, reporter, defaults=RunKey.defaults()) == "same":
-        try:
-            return RunKey.model_validate(previous)
-        except ValidationError:
-            return None
+        return _stored_run_key(previous)
     return RunKey.model_validate(key.record)
+
+
+def _stored_run_key(record: Any) -> RunKey | None:
+    """The key a library directory records, or None when an older mlxkit wrote it in another layout."""
+    try:
+        return RunKey.model_validate(record)
+    except ValidationError:
+        return None
 
 
 def _calibration_tokens(options: LibraryBuildOptions, layers: StreamedParent | ResidentParent, tokenizer,
