@@ -15,11 +15,18 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from mlxkit.engines.errors import InputError
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
+
+
+class StrictSpec(BaseModel):
+    """Base of every recipe section and stored record: an unknown key is an error (a typo would
+    otherwise be ignored), values are frozen, and a float must be finite."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 def validation_problems(exc: ValidationError) -> str:

@@ -5,20 +5,16 @@ from __future__ import annotations
 import os
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
-from mlxkit.engines.core.yaml_config import load_packaged_or_file, packaged_names, with_overrides
+from mlxkit.engines.core.yaml_config import StrictSpec, load_packaged_or_file, packaged_names, with_overrides
 from mlxkit.engines.errors import RecipeError
 from mlxkit.engines.training.spec import GradientCheckpointing, OptimSpec
 
 RECIPE_PACKAGE = "mlxkit.recipes.distill"
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-
-class LossSpec(_Strict):
+class LossSpec(StrictSpec):
     cosine_weight: float = Field(1.0, ge=0, allow_inf_nan=False)
     kl_weight: float = Field(1.0, ge=0, allow_inf_nan=False)
     lm_weight: float = Field(0.0, ge=0, allow_inf_nan=False)
@@ -38,7 +34,7 @@ class LossSpec(_Strict):
         return self
 
 
-class DistillData(_Strict):
+class DistillData(StrictSpec):
     seq_len: int = Field(512, ge=2, le=1 << 20)
     held_out_sequences: int = Field(4, ge=1)
     # Training blocks are drawn from the first this-many tokens of --data (at least the run's budget):
@@ -47,7 +43,7 @@ class DistillData(_Strict):
     corpus_tokens: int = Field(1 << 24, ge=0)
 
 
-class DistillSchedule(_Strict):
+class DistillSchedule(StrictSpec):
     tokens: int = Field(65536, ge=1)
     eval_every: int = Field(8, ge=1)
     checkpoint_every: int = Field(200, ge=1)
@@ -60,7 +56,7 @@ class DistillSchedule(_Strict):
 Trainable = Literal["all", "replaced_blocks"]
 
 
-class DistillRecipe(_Strict):
+class DistillRecipe(StrictSpec):
     name: str = "custom"
     description: str = ""
     loss: LossSpec = LossSpec()

@@ -12,7 +12,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from mlxkit.engines.core.yaml_config import load_packaged_or_file, packaged_names, validate_model, with_overrides
+from mlxkit.engines.core.yaml_config import StrictSpec, load_packaged_or_file, packaged_names, validate_model, with_overrides
 from mlxkit.engines.errors import RecipeError
 from mlxkit.engines.training.spec import GradientCheckpointing, OptimSpec
 from mlxkit.engines.robust.recipe import CrtRecipe
@@ -23,11 +23,7 @@ Method = Literal["htuning", "lora", "full"]
 Objective = Literal["causal_lm", "classification"]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-
-class LoraSpec(_Strict):
+class LoraSpec(StrictSpec):
     """peft `LoraConfig` fields; scaling is alpha / r."""
 
     r: int = Field(8, ge=1, le=4096)
@@ -37,7 +33,7 @@ class LoraSpec(_Strict):
     target_modules: Union[list[str], str] = "all-linear"
 
 
-class HTuningSpec(_Strict):
+class HTuningSpec(StrictSpec):
     """The mix-order step (H-Tuning, Zhou et al., ICML 2025)."""
 
     zo_eps: float = Field(1e-3, gt=0, le=1, allow_inf_nan=False)       # SPSA perturbation size ε
@@ -48,7 +44,7 @@ class HTuningSpec(_Strict):
     fo_layers: int = Field(1, ge=0)
 
 
-class FinetuneData(_Strict):
+class FinetuneData(StrictSpec):
     seq_len: int = Field(512, ge=2, le=1 << 20)     # packed length (causal LM) or truncation (classification)
     held_out_sequences: int = Field(8, ge=1)         # validation sequences / examples
     label_field: str = Field("label", min_length=1)  # classification JSONL field holding the label
@@ -58,14 +54,14 @@ class FinetuneOptim(OptimSpec):
     betas: tuple[float, float] = (0.9, 0.999)  # torch's AdamW default, which fine-tuning has always used
 
 
-class FinetuneSchedule(_Strict):
+class FinetuneSchedule(StrictSpec):
     steps: int = Field(100, ge=1)
     eval_every: int = Field(20, ge=1)
     checkpoint_every: int = Field(20, ge=1)
     checkpoint_minutes: float = Field(10.0, ge=0, allow_inf_nan=False)  # also after this much wall time; 0: off
 
 
-class FinetuneRecipe(_Strict):
+class FinetuneRecipe(StrictSpec):
     name: str = "custom"
     description: str = ""
     method: Method = "lora"

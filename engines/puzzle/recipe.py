@@ -5,19 +5,15 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
-from mlxkit.engines.core.yaml_config import load_packaged_or_file, packaged_names
+from mlxkit.engines.core.yaml_config import StrictSpec, load_packaged_or_file, packaged_names
 from mlxkit.engines.errors import RecipeError
 
 RECIPE_PACKAGE = "mlxkit.recipes.puzzle"
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-
-class SearchSpaceSpec(_Strict):
+class SearchSpaceSpec(StrictSpec):
     attention: list[Literal["parent", "kv_divisors", "linear", "no_op"]] = ["parent", "kv_divisors", "linear", "no_op"]
     max_kv_options: int | None = None
     ffn_fractions: list[float] = [1.0, 0.875, 0.75, 0.5, 0.25, 0.2, 0.1]
@@ -33,13 +29,13 @@ class SearchSpaceSpec(_Strict):
         return value
 
 
-class PuzzleData(_Strict):
+class PuzzleData(StrictSpec):
     seq_len: int = Field(256, ge=8)
     train_sequences: int = Field(48, ge=1)
     score_sequences: int = Field(4, ge=1)
 
 
-class BLDSpec(_Strict):
+class BLDSpec(StrictSpec):
     tokens_per_block: int = Field(32768, ge=0)
     batch_sequences: int = Field(4, ge=1)
     lr: float = Field(1e-3, gt=0)
@@ -49,11 +45,11 @@ class BLDSpec(_Strict):
     train_linear: bool = False
 
 
-class ScoringSpec(_Strict):
+class ScoringSpec(StrictSpec):
     metric: Literal["kl_div", "lm_loss"] = "kl_div"
 
 
-class PuzzleRecipe(_Strict):
+class PuzzleRecipe(StrictSpec):
     name: str
     description: str = ""
     search_space: SearchSpaceSpec = SearchSpaceSpec()

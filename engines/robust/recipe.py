@@ -11,18 +11,14 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
-from mlxkit.engines.core.yaml_config import with_overrides
+from mlxkit.engines.core.yaml_config import StrictSpec, with_overrides
 from mlxkit.engines.errors import RecipeError
 from mlxkit.engines.training.spec import LrSchedule
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-
-class AttackSpec(_Strict):
+class AttackSpec(StrictSpec):
     """One threat model: the budget (a norm radius; for stadv, pixels of displacement) and its search."""
 
     budget: float = Field(gt=0, le=1e6, allow_inf_nan=False)
@@ -35,7 +31,7 @@ class AttackSpec(_Strict):
         return self.step_size if self.step_size is not None else 2.5 * self.budget / steps
 
 
-class AttacksSpec(_Strict):
+class AttacksSpec(StrictSpec):
     """Budgets for every attack mlxkit has; a run picks its attacks by name."""
 
     linf: AttackSpec = AttackSpec(budget=0.15)
@@ -47,7 +43,7 @@ class AttacksSpec(_Strict):
         return getattr(self, name)
 
 
-class RegularizerSpec(_Strict):
+class RegularizerSpec(StrictSpec):
     """λ·E‖f(x′) − f(x)‖₂ on the logits; `alr` searches x′ in the attack's threat model, `ur` draws it."""
 
     kind: Literal["none", "alr", "ur"] = "alr"
@@ -55,12 +51,12 @@ class RegularizerSpec(_Strict):
     sigma: float = Field(2.0, gt=0, le=1e6, allow_inf_nan=False)    # ur: ℓ2 radius of the noise
 
 
-class SamplerSpec(_Strict):
+class SamplerSpec(StrictSpec):
     momentum: float = Field(0.9, ge=0, lt=1, allow_inf_nan=False)   # running accuracy: weight of the history
     probe_examples: int = Field(128, ge=1)                          # training examples that set its start
 
 
-class CrtData(_Strict):
+class CrtData(StrictSpec):
     low: float = Field(0.0, allow_inf_nan=False)    # the valid input range every attack stays inside
     high: float = Field(1.0, allow_inf_nan=False)
     held_out_examples: int = Field(200, ge=1)       # evaluation examples (split off --data without --eval-data)
@@ -72,7 +68,7 @@ class CrtData(_Strict):
         return self
 
 
-class CrtOptim(_Strict):
+class CrtOptim(StrictSpec):
     optimizer: Literal["sgd", "adamw"] = "sgd"
     momentum: float = Field(0.9, ge=0, lt=1, allow_inf_nan=False)   # sgd only
     weight_decay: float = Field(5e-4, ge=0, le=1, allow_inf_nan=False)
@@ -80,7 +76,7 @@ class CrtOptim(_Strict):
     grad_clip: float = Field(0.0, ge=0, allow_inf_nan=False)         # 0: no clipping
 
 
-class PhaseSpec(_Strict):
+class PhaseSpec(StrictSpec):
     """Steps and learning rate of one phase: initial training, or fine-tuning on a new attack."""
 
     steps: int = Field(ge=1, le=10_000_000)
@@ -92,13 +88,13 @@ class PhaseSpec(_Strict):
         return LrSchedule(lr=self.lr, min_lr_factor=1.0 if self.schedule == "constant" else 0.0, warmup_fraction=0.0)
 
 
-class CrtSchedule(_Strict):
+class CrtSchedule(StrictSpec):
     eval_every: int = Field(100, ge=1)
     checkpoint_every: int = Field(50, ge=1)
     checkpoint_minutes: float = Field(10.0, ge=0, allow_inf_nan=False)  # also after this much wall time; 0: off
 
 
-class CrtRecipe(_Strict):
+class CrtRecipe(StrictSpec):
     name: str = "custom"
     description: str = ""
     method: Literal["crt"] = "crt"

@@ -6,8 +6,9 @@ from __future__ import annotations
 from typing import Iterable, Literal, Union
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from mlxkit.engines.core.yaml_config import StrictSpec
 from mlxkit.engines.training.schedule import warmup_cosine
 
 # `auto`: on when the run computes on a GPU, where activation memory is what limits the batch;
@@ -15,12 +16,10 @@ from mlxkit.engines.training.schedule import warmup_cosine
 GradientCheckpointing = Union[bool, Literal["auto"]]
 
 
-class LrSchedule(BaseModel):
+class LrSchedule(StrictSpec):
     """The learning rate as a pure function of the step: a linear warm-up over `warmup_fraction` of the steps,
     then cosine decay from `lr` to `min_lr_factor · lr`. A factor of 1 holds the rate at `lr` (no warm-up then
     means a constant rate), a factor of 0 decays it to zero."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     lr: float = Field(1e-4, gt=0, allow_inf_nan=False)
     min_lr_factor: float = Field(0.1, ge=0, le=1)

@@ -28,8 +28,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from mlxkit.engines.core.yaml_config import StrictSpec
 from mlxkit.engines.errors import InputError
 from mlxkit.engines.hardware.scenario import Scenario
 from mlxkit.engines.models.decilm.blocks import AttentionVariant, BlockChoice, FFNVariant, ParentShape
@@ -47,11 +48,7 @@ Metrics = dict[str, Score]
 Stats = dict[str, Cost]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class TrainingInfo(_Strict):
+class TrainingInfo(StrictSpec):
     """How BLD trained one subblock (non-finite losses of a diverging run are recorded as null)."""
 
     steps: int = Field(ge=0)
@@ -64,7 +61,7 @@ class TrainingInfo(_Strict):
     reverted_to_init: bool = False
 
 
-class BlockRecord(_Strict):
+class BlockRecord(StrictSpec):
     """The sidecar written beside a block's safetensors file; its presence marks the block as finished."""
 
     layer: int = Field(ge=0)
@@ -75,7 +72,7 @@ class BlockRecord(_Strict):
     training: TrainingInfo
 
 
-class _VariantEntry(_Strict):
+class _VariantEntry(StrictSpec):
     file: str | None = None  # the block's safetensors file, relative to the library directory
     source: Literal["parent", "no_op", "bld", "init", "nvlabs"] | None = None
     init: str | None = None  # how the block was initialised from the parent
@@ -92,7 +89,7 @@ class FFNEntry(_VariantEntry):
     variant: FFNVariant
 
 
-class BlockEntry(_Strict):
+class BlockEntry(StrictSpec):
     """A whole block (attention + FFN) scored as one, as in NVlabs/puzzle demo libraries."""
 
     attention: str  # names of the layer's attention and FFN variants
@@ -102,7 +99,7 @@ class BlockEntry(_Strict):
     stats: Stats | None = None
 
 
-class LayerEntry(_Strict):
+class LayerEntry(StrictSpec):
     layer: int = Field(ge=0)
     attention: dict[str, AttentionEntry]
     ffn: dict[str, FFNEntry]
@@ -130,13 +127,13 @@ class LayerEntry(_Strict):
         return BlockChoice(self.attention[block.attention].variant, self.ffn[block.ffn].variant)
 
 
-class ParentInfo(_Strict):
+class ParentInfo(StrictSpec):
     spec: str  # how the parent was named on the command line
     shape: ParentShape
     config: dict[str, Any] | None = None
 
 
-class RunKey(_Strict):
+class RunKey(StrictSpec):
     """Everything a library's blocks depend on; a directory is resumed only when its key matches."""
 
     parent: str  # fingerprint of the parent's weights
@@ -158,7 +155,7 @@ class RunKey(_Strict):
         return {name: field.default for name, field in cls.model_fields.items() if not field.is_required()}
 
 
-class StatsContext(_Strict):
+class StatsContext(StrictSpec):
     """What a library's stored stats were priced (or measured) for."""
 
     profile: str
@@ -167,11 +164,11 @@ class StatsContext(_Strict):
     throughput_convention: str = "batch*(input_len+output_len)/runtime"
 
 
-class NonBlockEntry(_Strict):
+class NonBlockEntry(StrictSpec):
     stats: Stats
 
 
-class BlockLibrary(_Strict):
+class BlockLibrary(StrictSpec):
     format: Literal["mlxkit.block_library"] = LIBRARY_FORMAT
     version: Literal[1] = LIBRARY_VERSION
     parent: ParentInfo | None = None  # None for a converted NVlabs demo library (no parent weights)
