@@ -1,7 +1,7 @@
 """Benchmark: Puzzle children exported to GGUF, timed in llama.cpp next to mlxkit's predicted speed-up.
 
 The parent and every child given on the command line are exported with `mlx export --format
-gguf` (same dtype for all), loaded in llama.cpp (llama-cpp-python) and timed: prompt
+gguf` (same encoding for all), loaded in llama.cpp (llama-cpp-python) and timed: prompt
 processing (one batch of --prompt tokens) and generation (--gen single-token steps after
 it), each the median of --repeats runs after one warm-up, with --threads threads. All models are
 loaded at once and timed in turn within every repeat, so slow phases of a shared VM fall on
@@ -15,7 +15,7 @@ defaults here, measured and predicted are the same quantity. For other targets, 
 side by side, not as a check of each other.
 
     .venv/bin/python bench/bench_export_speed.py runs/demo/child [more children ...] \\
-        [--parent smollm2-135m] [--dtype f32] [--threads 2] [--repeats 5] [--prompt 128] [--gen 128] [--json out.json]
+        [--parent smollm2-135m] [--encoding f32] [--threads 2] [--repeats 5] [--prompt 128] [--gen 128] [--json out.json]
 
 Needs `pip install -e .[llamacpp]`. Run it on a quiet machine: the numbers are wall-clock.
 """
@@ -89,7 +89,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("children", nargs="*", type=Path, help="child directories saved by `mlx search`")
     parser.add_argument("--parent", default="smollm2-135m")
-    parser.add_argument("--dtype", default="f32", choices=["f32", "f16", "q8_0"])
+    parser.add_argument("--encoding", default="f32", choices=["f32", "f16", "q8_0"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--prompt", type=int, default=128, help="prompt tokens (one batch)")
@@ -106,7 +106,7 @@ def main() -> None:
     for i, (label, spec, predicted) in enumerate(models):
         out = work / f"{i}.gguf"
         start = time.perf_counter()
-        export = export_model(spec, "gguf", out, args.dtype)
+        export = export_model(spec, "gguf", out, args.encoding)
         rows.append({"model": label, "spec": spec, "gguf_mib": out.stat().st_size / 2**20,
                      "export_s": time.perf_counter() - start,
                      "feed_forward_length": export["gguf"]["feed_forward_length"],
@@ -116,7 +116,7 @@ def main() -> None:
         row.update(timing)
 
     parent = rows[0]
-    print(f"\nllama.cpp, {args.dtype}, {args.threads} threads, median of {args.repeats}: prompt {args.prompt} tokens, "
+    print(f"\nllama.cpp, {args.encoding}, {args.threads} threads, median of {args.repeats}: prompt {args.prompt} tokens, "
           f"generation {args.gen} tokens")
     print(f"{'model':<28}{'MiB':>7}{'prompt tok/s':>14}{'x':>7}{'gen tok/s':>12}{'x':>7}{'in+out x':>10}"
           "   predicted (mlx search)")

@@ -191,7 +191,7 @@ def worker(solver: str, kind: str, n: int) -> dict:
 
 def batch_worker(count: int, n: int) -> dict:
     """Throughput: `count` different varcoef9 systems, one batched SSI call (float64, and float32 refined
-    in float64 as `mlx solve --dtype float32` does) vs a SciPy splu loop."""
+    in float64 as `mlx solve --precision float32` does) vs a SciPy splu loop."""
     import scipy.sparse.linalg as spla
     import torch
 

@@ -14,7 +14,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Callable, Iterable, Iterator, Literal, Optional
+from typing import Annotated, Any, Callable, Iterable, Iterator, Literal, Optional, TypeVar
 
 import typer
 from rich.console import Console
@@ -70,6 +70,27 @@ def print_notice(message: str) -> None:
     """
     if launch_rank() == 0:
         stderr_console.print(f"[yellow]note:[/yellow] {message}", highlight=False, soft_wrap=True)
+
+
+def renamed_option(old_flag: str) -> Any:
+    """A hidden option for the old spelling of a renamed flag; read it with `new_or_old`.
+
+    Kept so scripts written against the old name go on working; `--help` shows only the new name.
+    """
+    return typer.Option(old_flag, hidden=True)
+
+
+T = TypeVar("T")
+
+
+def new_or_old(new_flag: str, new: Optional[T], old_flag: str, old: Optional[T]) -> Optional[T]:
+    """The value of a renamed option: `new`, or the old spelling's value with a notice; both is an error."""
+    if old is None:
+        return new
+    if new is not None:
+        raise fail(f"{old_flag} is the old spelling of {new_flag}; give only {new_flag}")
+    print_notice(f"{old_flag} is now {new_flag}; the old spelling still works")
+    return old
 
 
 def make_reporter(json_out: bool, quiet: bool, verbose: bool) -> Reporter:

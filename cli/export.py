@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 from rich.table import Table
 
 from mlxkit.cli._errors import guarded
-from mlxkit.cli._options import JsonOpt, Output, OverwriteOpt, QuietOpt, VerboseOpt, claimed_output, console
+from mlxkit.cli._options import (JsonOpt, Output, OverwriteOpt, QuietOpt, VerboseOpt, claimed_output, console,
+                                 new_or_old, renamed_option)
 
 
 @guarded
@@ -18,7 +19,10 @@ def export_command(
     fmt: Annotated[str, typer.Option("--format", "-f", help="gguf | nemotron-nas | hf.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="The .gguf file (its manifest goes beside it as "
                                                           "<file>.mlxkit.json), or the output directory.")],
-    dtype: Annotated[str, typer.Option("--dtype", help="f32 | f16 | q8_0 (q8_0: GGUF only).")] = "f32",
+    encoding: Annotated[Optional[str], typer.Option("--encoding", metavar="f32|f16|q8_0",
+                                                    help="How the weights are written (default f32; q8_0: GGUF "
+                                                         "only).")] = None,
+    dtype: Annotated[Optional[str], renamed_option("--dtype")] = None,
     overwrite: OverwriteOpt = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Check everything, print what would be written, "
                                                           "write nothing (reads no weights).")] = False,
@@ -28,9 +32,10 @@ def export_command(
 ) -> None:
     from mlxkit.engines.export import describe_plan, plan_export, run_export
 
+    encoding = new_or_old("--encoding", encoding, "--dtype", dtype) or "f32"
     output = Output(json_out, quiet, verbose)
     with claimed_output(out, kind="file" if fmt == "gguf" else "dir", inputs=[model], lock=not dry_run):
-        plan = plan_export(model, fmt, out, dtype, overwrite=overwrite, reporter=output.reporter)
+        plan = plan_export(model, fmt, out, encoding, overwrite=overwrite, reporter=output.reporter)
         result = describe_plan(plan) if dry_run else run_export(plan, overwrite=overwrite, reporter=output.reporter)
     output.emit(result, lambda r: _render(model, fmt, r, dry_run, quiet))
 
@@ -41,7 +46,7 @@ def _render(model: str, fmt: str, result: dict, dry_run: bool, quiet: bool) -> N
         return
     table = Table(title=f"mlx export {model} --format {fmt}", show_header=False)
     table.add_row("output", result["out"] + (" (dry run: nothing written)" if dry_run else ""))
-    table.add_row("dtype", result["dtype"])
+    table.add_row("encoding", result["dtype"])
     size = "" if dry_run else f" ({result['tensors']} tensors, {result['tensor_bytes'] / 2**20:.1f} MiB)"
     table.add_row("layers", f"{result['layers']}{size}")
     table.add_row("RoPE", f"{result['rope']['type']}, theta {result['rope']['theta']:g}")

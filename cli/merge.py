@@ -15,7 +15,7 @@ from rich.table import Table
 from mlxkit.cli._errors import fail, guarded
 from mlxkit.cli._options import (DeviceOpt, JsonOpt, Output, OverwriteOpt, QuietOpt, RecipeOpt, TextFieldOpt,
                                  VerboseOpt, canonical_dtype, check_pairs, check_placement, claimed_output, console,
-                                 given_options, set_option)
+                                 given_options, new_or_old, renamed_option, set_option)
 from mlxkit.engines.core.sizes import SIZE_HELP
 from mlxkit.engines.merge.params import ALPHA
 
@@ -43,7 +43,8 @@ def merge_command(
     params: ParamOpt = [],
     tokenizer: Annotated[Optional[str], Opt("--tokenizer", metavar="base|union|PATH", help="Vocabulary of the output when the inputs' tokenizers differ (mergekit's tokenizer_source): the base's, the union of all, or a tokenizer directory's; embedding and LM-head rows are aligned by token.")] = None,
     average_embeddings: Annotated[Optional[bool], Opt("--average-embeddings/--matrix-embeddings", help="Average embeddings and LM head (default) or treat them as matrices.")] = None,
-    dtype: Annotated[Optional[str], Opt("--dtype", "--save-dtype", metavar="auto|float32|bfloat16|float16", help="dtype of the merged weights: float32, bfloat16 or float16 (default, auto: the inputs'). The merge arithmetic always runs in float32, so for merge --dtype and --save-dtype are one option and name the output.")] = None,
+    save_dtype: Annotated[Optional[str], Opt("--save-dtype", metavar="auto|float32|bfloat16|float16", help="dtype of the merged weights: float32, bfloat16 or float16 (default, auto: the inputs'). The merge arithmetic always runs in float32.")] = None,
+    dtype: Annotated[Optional[str], renamed_option("--dtype")] = None,
     max_shard_size: Annotated[Optional[str], Opt("--max-shard-size", help=f"Largest output shard: {SIZE_HELP}; e.g. 2GB = 2,000,000,000 bytes, 2GiB = 2,147,483,648 (default 5GB).")] = None,
     device: DeviceOpt = "auto",
     seed: Annotated[Optional[int], Opt("--seed", help="Seed for DARE and randomized SVDs.")] = None,
@@ -58,10 +59,11 @@ def merge_command(
     from mlxkit.engines.merge.config import config_from_options
     from mlxkit.engines.merge.run import run_merge
 
-    check_placement(device, dtype=None, save_dtype=dtype)
+    save_dtype = new_or_old("--save-dtype", save_dtype, "--dtype", dtype)
+    check_placement(device, dtype=None, save_dtype=save_dtype)
     check_pairs(params)
     output = Output(json_out, quiet, verbose)
-    out_dtype = canonical_dtype(dtype)
+    out_dtype = canonical_dtype(save_dtype)
     if recipe and config_file:
         raise fail("give --recipe or --config, not both")
     config = config_from_options(models=models or [], recipe=recipe or config_file, base=base, method=method, isotropic=isotropic,

@@ -11,7 +11,7 @@ from mlxkit.cli._errors import fail, guarded
 from mlxkit.cli._options import (AllowPickleOpt, DataOpt, DeviceOpt, DtypeOpt, JsonOpt, Output, OverwriteOpt,
                                  QuietOpt, RecipeOpt, SaveDtypeOpt, SeedOpt, ShardingOpt, VerboseOpt, check_placement,
                                  ModeOptions, claimed_output, console, flags_and_overrides, given_options,
-                                 set_option)
+                                 new_or_old, renamed_option, set_option)
 from mlxkit.engines.core.sizes import SIZE_HELP
 
 GkdSetOpt = set_option("--gkd-set", help="Override a field of the GKD recipe (--gkd-recipe), key=value "
@@ -20,7 +20,7 @@ GkdSetOpt = set_option("--gkd-set", help="Override a field of the GKD recipe (--
 
 _SEARCH = frozenset({"out", "throughput", "memory", "latency", "params", "library", "costs", "metric", "solutions",
                      "min_distance", "batch_sweep", "write_costs", "write_lp", "refine", "dry_run", "gkd_tokens",
-                     "gkd_recipe", "gkd_set", "export", "export_dtype", "data", "device", "dtype", "save_dtype",
+                     "gkd_recipe", "gkd_set", "export", "encoding", "export_dtype", "data", "device", "dtype", "save_dtype",
                      "sharding", "seed", "overwrite", "allow_pickle"})
 _MODES = ModeOptions("search", common=frozenset({"target", "model", "scenario", "recipe", "engine", "costs_only",
                                                 "json_out", "quiet", "verbose"}),
@@ -57,9 +57,10 @@ def search_command(
     gkd_recipe: Annotated[str, typer.Option("--gkd-recipe", help="Distillation recipe for --gkd-tokens (name or YAML path).")] = "gkd",
     gkd_set: GkdSetOpt = [],
     engine: Annotated[Optional[str], typer.Option("--engine", help="The serving engine the child is for: vllm, sglang, trtllm, llamacpp or transformers. Searches only the blocks it builds (vllm/sglang: no linear attention or FFN, Nemotron-NAS widths) and is recorded in the manifest. Default: the target profile's (GPUs: vllm; cpu-llamacpp: llamacpp; cpu: transformers).")] = None,
-    export: Annotated[Optional[str], typer.Option("--export", help="Search only what this serving format can hold (gguf: no linear FFN; nemotron-nas: widths exact as ffn_mult), then export the child into --out: model-DTYPE.gguf or export-FORMAT/.")] = None,
-    export_dtype: Annotated[Optional[str], typer.Option("--export-dtype", help="f32 | f16 | q8_0 (q8_0: gguf only; "
-                                                        "default f32). Needs --export.")] = None,
+    export: Annotated[Optional[str], typer.Option("--export", help="Search only what this serving format can hold (gguf: no linear FFN; nemotron-nas: widths exact as ffn_mult), then export the child into --out: model-ENCODING.gguf or export-FORMAT/.")] = None,
+    encoding: Annotated[Optional[str], typer.Option("--encoding", help="How --export writes the weights: f32 | f16 "
+                                                    "| q8_0 (q8_0: gguf only; default f32). Needs --export.")] = None,
+    export_dtype: Annotated[Optional[str], renamed_option("--export-dtype")] = None,
     data: DataOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
@@ -87,8 +88,9 @@ def search_command(
         output.emit(report, lambda r: render_costs(r, console))
         return
     flags_and_overrides({"schedule.tokens": ("--gkd-tokens", gkd_tokens)}, gkd_set, "--gkd-set")  # neither silently wins
-    if export_dtype is not None and export is None:
-        raise fail("--export-dtype sets the dtype of the exported child; it needs --export")
+    encoding = new_or_old("--encoding", encoding, "--export-dtype", export_dtype)
+    if encoding is not None and export is None:
+        raise fail("--encoding sets how the exported child is written; it needs --export")
     if gkd_tokens and dry_run:
         raise fail("--gkd-tokens trains the saved child; it cannot be combined with --dry-run")
     for name, flag in given_options(ctx, _GKD_ONLY if gkd_tokens is None else ()):
@@ -108,8 +110,8 @@ def search_command(
                             metric=metric, solutions=solutions, min_distance=min_distance, batch_sweep=sweep,
                             write_costs=write_costs, write_lp=write_lp, seed=seed, overwrite=overwrite,
                             allow_pickle=allow_pickle, gkd_tokens=gkd_tokens, gkd_recipe=gkd_recipe,
-                            gkd_overrides=flags_and_overrides({}, gkd_set), export=export, export_dtype=export_dtype or "f32", engine=engine,
-                            device=device, dtype=dtype, save_dtype=save_dtype, sharding=sharding, refine=refine)
+                            gkd_overrides=flags_and_overrides({}, gkd_set), export=export,
+                            export_encoding=encoding or "f32", engine=engine, device=device, dtype=dtype, save_dtype=save_dtype, sharding=sharding, refine=refine)
     if frontier:
         if not dry_run:
             raise fail("several --throughput targets draw the frontier: add --dry-run (one checkpoint per run)")

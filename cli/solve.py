@@ -10,7 +10,7 @@ from rich.table import Table
 
 from mlxkit.cli._errors import guarded
 from mlxkit.cli._options import (JsonOpt, ModeOptions, Output, OverwriteOpt, QuietOpt, VerboseOpt, check_placement,
-                                 claimed_output, console)
+                                 claimed_output, console, new_or_old, renamed_option)
 
 
 # The sparse direct solvers factorise the matrix as given, in float64, on the CPU. With --method auto the
@@ -18,7 +18,7 @@ from mlxkit.cli._options import (JsonOpt, ModeOptions, Output, OverwriteOpt, Qui
 _SPARSE = "--method superlu|pardiso"
 _MODES = ModeOptions("solve", common=frozenset({"rhs", "method", "nullspace", "refine", "out", "overwrite", "json_out",
                                                "quiet", "verbose"}),
-                     modes={"--method auto|ssi": frozenset({"grid", "dtype", "leaf", "device"}), _SPARSE: frozenset()})
+                     modes={"--method auto|ssi": frozenset({"grid", "precision", "dtype", "leaf", "device"}), _SPARSE: frozenset()})
 
 
 @guarded
@@ -30,16 +30,17 @@ def solve_command(
     grid: Annotated[Optional[str], typer.Option("--grid", help="Grid shape HxW (default: grid_shape key or inferred).")] = None,
     method: Annotated[str, typer.Option("--method", help="auto | ssi | superlu | pardiso.")] = "auto",
     nullspace: Annotated[str, typer.Option("--nullspace", help="none | constant (mean-zero solution of A1=0 systems).")] = "none",
-    dtype: Annotated[str, typer.Option("--dtype", help="SSI working precision: float64 | float32 (not the "
-                                                       "model-compute dtype of the other verbs; the sparse "
-                                                       "direct solvers always use float64). float32 stores "
-                                                       "and applies the factor in float32 and refines x in "
-                                                       "float64 (--refine).")] = "float64",
+    precision: Annotated[Optional[str], typer.Option("--precision", metavar="float64|float32",
+                                                     help="SSI working precision (default float64; the sparse "
+                                                          "direct solvers always use float64). float32 stores "
+                                                          "and applies the factor in float32 and refines x in "
+                                                          "float64 (--refine).")] = None,
+    dtype: Annotated[Optional[str], renamed_option("--dtype")] = None,
     refine: Annotated[Optional[int], typer.Option("--refine", min=0, help="At most N iterative-refinement "
                                                   "steps: residual b - Ax in float64 with the sparse A, "
                                                   "correction solved with the factor; stops once the "
                                                   "residual reaches sqrt(N) float64 epsilons or a step no "
-                                                  "longer halves it. Default: 8 with --dtype "
+                                                  "longer halves it. Default: 8 with --precision "
                                                   "float32, else 0.", metavar="N")] = None,
     leaf: Annotated[int, typer.Option("--leaf", min=1, help="Minimum cells per SSI leaf-patch side.")] = 4,
     device: Annotated[str, typer.Option("--device", help="Where SSI factorises and solves: auto (CUDA when "
@@ -55,10 +56,11 @@ def solve_command(
     from mlxkit.engines.solve.runner import run_solve
 
     _MODES.check(ctx, _SPARSE if method in ("superlu", "pardiso") else "--method auto|ssi")
+    precision = new_or_old("--precision", precision, "--dtype", dtype) or "float64"
     check_placement(device, dtype=None)
     output = Output(json_out, quiet, verbose)
     with claimed_output(out, kind="file", inputs=[file, rhs]):
-        report, _ = run_solve(file, rhs=rhs, grid=grid, method=method, nullspace=nullspace, dtype=dtype, leaf=leaf,
+        report, _ = run_solve(file, rhs=rhs, grid=grid, method=method, nullspace=nullspace, precision=precision, leaf=leaf,
                               refine=refine, out=out, overwrite=overwrite, device=device, reporter=output.reporter,
                               tune_allocator=True)  # this process is ours
     output.emit(report, lambda r: _render(file, out, r, quiet))

@@ -127,16 +127,16 @@ def test_solve_on_cpu_float32_agrees_with_float64(tmp_path):
     path, a = _poisson_npz(tmp_path / "poisson.npz")
     full = _ok(runner.invoke(app, ["solve", str(path), "--device", "cpu", "--out", str(tmp_path / "x64.npz"),
                                    "--json"]))
-    low = _ok(runner.invoke(app, ["solve", str(path), "--device", "cpu", "--dtype", "float32", "--out",
+    low = _ok(runner.invoke(app, ["solve", str(path), "--device", "cpu", "--precision", "float32", "--out",
                                   str(tmp_path / "x32.npz"), "--json"]))
     assert full["method"] == low["method"] == "ssi" and full["device"] == low["device"] == "cpu"
     with np.load(tmp_path / "x64.npz") as x64, np.load(tmp_path / "x32.npz") as x32:
         assert np.linalg.norm(x32["x"] - x64["x"]) <= 1e-4 * np.linalg.norm(x64["x"])
 
 
-def test_solve_dtype_is_the_ssi_precision(tmp_path):
+def test_solve_precision_takes_float64_or_float32(tmp_path):
     path, _ = _poisson_npz(tmp_path / "poisson.npz", side=5)
-    result = runner.invoke(app, ["solve", str(path), "--device", "cpu", "--dtype", "bfloat16"])
+    result = runner.invoke(app, ["solve", str(path), "--device", "cpu", "--precision", "bfloat16"])
     _one_error_line(result, 2, "float64 or float32")
 
 

@@ -13,7 +13,8 @@ from test_merge_common import make_base, make_finetune
 
 runner = CliRunner()
 
-COMPUTING = ["search", "library build", "distill", "finetune", "eval", "calibrate", "merge", "solve"]
+# --dtype is the compute dtype; merge always computes in float32 and solve names its working precision.
+COMPUTING = ["search", "library build", "distill", "finetune", "eval", "calibrate"]
 WRITES_WEIGHTS = ["search", "library build", "distill", "finetune", "merge"]
 # export streams tensors from file to file and never runs a model; fetch and recipes compute nothing.
 NOT_COMPUTING = ["export", "fetch", "recipes"]
@@ -29,11 +30,20 @@ def _flags(text: str) -> set[str]:
     return set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", text))
 
 
-@pytest.mark.parametrize("verb", COMPUTING)
+@pytest.mark.parametrize("verb", [*COMPUTING, "merge", "solve"])
 def test_computing_verbs_list_device_and_dtype(verb):
     flags = _flags(_help(verb))
-    assert {"--device", "--dtype", "--json", "--quiet", "--verbose"} <= flags
+    assert {"--device", "--json", "--quiet", "--verbose"} <= flags
+    assert ("--dtype" in flags) == (verb in COMPUTING)
     assert ("--save-dtype" in flags) == (verb in WRITES_WEIGHTS)
+    assert ("--precision" in flags) == (verb == "solve")
+
+
+@pytest.mark.parametrize("verb", ["export", "search"])
+def test_export_encoding_has_its_own_name(verb):
+    flags = _flags(_help(verb))
+    assert "--encoding" in flags and "--export-dtype" not in flags
+    assert verb == "search" or "--dtype" not in flags
 
 
 @pytest.mark.parametrize("verb", ["search", "library build", "distill", "finetune", "eval"])
@@ -57,7 +67,7 @@ def test_one_set_option_per_verb(verb, aliases):
 
 def test_merge_names_out_and_keeps_output():
     flags = _flags(_help("merge"))
-    assert {"--out", "--output", "--dtype", "--save-dtype"} <= flags
+    assert {"--out", "--output", "--save-dtype"} <= flags
 
 
 # ---- the aliases reach the same option -------------------------------------------------------------------
@@ -177,3 +187,77 @@ def test_output_emits_json_or_renders(capsys):
     Output().emit({"a": 2}, shown.append)
     assert shown == [{"a": 2}] and capsys.readouterr().out == ""
     assert type(Output(quiet=True).reporter) is Reporter and isinstance(Output().reporter, RichReporter)
+
+
+# ---- renamed options: the old spelling still works, with a notice; both spellings is an error -------------
+
+def _solve_system(tmp_path):
+    import numpy as np
+    import scipy.sparse as sp
+
+    n = 4
+    line = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], (n, n))
+    lap = (sp.kron(sp.eye(n), line) + sp.kron(line, sp.eye(n))).tocsr()  # 5-point Laplacian on a 4x4 grid
+    path = tmp_path / "s.npz"
+    sp.save_npz(path, lap)
+    np.savez(path, **dict(np.load(path)), b=np.ones(n * n), grid_shape=np.array([n, n]))
+    return path
+
+
+def test_solve_precision_and_its_old_spelling(tmp_path):
+    old, new = ["--dtype", "float32"], ["--precision", "float32"]
+    path = _solve_system(tmp_path)
+    reports = []
+    for spelling in (new, old):
+        result = runner.invoke(app, ["solve", str(path), "--device", "cpu", *spelling, "--json"])
+        assert result.exit_code == 0, result.output
+        assert ("--dtype is now --precision" in result.stderr) == (spelling is old)
+        reports.append(json.loads(result.stdout))
+    assert reports[0]["dtype"] == reports[1]["dtype"] == "float32"
+    both = runner.invoke(app, ["solve", str(path), *old, *new])
+    assert both.exit_code == 2 and "--dtype is the old spelling of --precision" in both.output
+
+
+def test_export_encoding_and_its_old_spelling(tmp_path, merge_models):
+    base, _ = merge_models
+    for spelling, notice in ((["--encoding", "f16"], False), (["--dtype", "f16"], True)):
+        out = tmp_path / f"out-{notice}"
+        result = runner.invoke(app, ["export", str(base), "--format", "hf", "--out", str(out), *spelling,
+                                     "--dry-run", "--json"])
+        assert result.exit_code == 0, result.output
+        assert ("--dtype is now --encoding" in result.stderr) == notice
+        assert json.loads(result.stdout)["dtype"] == "f16"
+    both = runner.invoke(app, ["export", str(base), "--format", "hf", "--out", str(tmp_path / "o"), "--dtype", "f16",
+                               "--encoding", "f32"])
+    assert both.exit_code == 2 and "--dtype is the old spelling of --encoding" in both.output
+
+
+def test_search_encoding_and_its_old_spelling(monkeypatch, tmp_path):
+    seen = _capture(monkeypatch, "mlxkit.engines.puzzle.search.run", "run_search", {"ok": True})
+    for spelling in (["--encoding", "f16"], ["--export-dtype", "f16"]):
+        result = runner.invoke(app, ["search", "--target", "cpu", "--out", str(tmp_path / "c"), "--export", "gguf",
+                                     *spelling, "--json"])
+        assert result.exit_code == 0, result.output
+        assert ("--export-dtype is now --encoding" in result.stderr) == (spelling[0] == "--export-dtype")
+    assert [options.export_encoding for options, _, _ in seen] == ["f16", "f16"]
+    both = runner.invoke(app, ["search", "--target", "cpu", "--export", "gguf", "--export-dtype", "f16",
+                               "--encoding", "f16"])
+    assert both.exit_code == 2 and "--export-dtype is the old spelling of --encoding" in both.output
+
+
+def test_merge_save_dtype_and_its_old_spelling(tmp_path, merge_models):
+    import torch
+    from safetensors import safe_open
+
+    base, fts = merge_models
+    for spelling, notice in ((["--save-dtype", "float16"], False), (["--dtype", "float16"], True)):
+        out = tmp_path / f"merged-{notice}"
+        result = runner.invoke(app, ["merge", "--method", "linear", *map(str, fts), *spelling, "-o", str(out),
+                                     "--device", "cpu", "--no-check", "--json"])
+        assert result.exit_code == 0, result.output
+        assert ("--dtype is now --save-dtype" in result.stderr) == notice
+        with safe_open(str(next(out.glob("*.safetensors"))), "pt") as f:
+            assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float16}
+    both = runner.invoke(app, ["merge", "--method", "linear", *map(str, fts), "--dtype", "float16",
+                               "--save-dtype", "float32", "-o", str(tmp_path / "o")])
+    assert both.exit_code == 2 and "--dtype is the old spelling of --save-dtype" in both.output

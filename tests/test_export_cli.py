@@ -17,7 +17,7 @@ runner = CliRunner()
 def test_cli_exports_with_json_and_refuses_to_overwrite(tmp_path):
     child = make_child_dir(tmp_path / "child", names=("kv2+ffn256", "no_op+ffn128"))
     out = tmp_path / "child.gguf"
-    result = runner.invoke(app, ["export", str(child), "--format", "gguf", "--out", str(out), "--dtype", "q8_0",
+    result = runner.invoke(app, ["export", str(child), "--format", "gguf", "--out", str(out), "--encoding", "q8_0",
                                  "--json"])
     assert result.exit_code == 0, result.output
     payload = json.loads(result.stdout)

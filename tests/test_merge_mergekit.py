@@ -80,7 +80,7 @@ def _slerp(t, a, b):
 
 def test_slerp_gradients_follow_the_layers(workdir, monkeypatch, tmp_path):
     out = tmp_path / "out"
-    assert _run(workdir, FIXTURES / "slerp.yml", str(out), monkeypatch, "--dtype", "float32").exit_code == 0
+    assert _run(workdir, FIXTURES / "slerp.yml", str(out), monkeypatch, "--save-dtype", "float32").exit_code == 0
     merged, a, b = state(out), state(workdir / "model-a"), state(workdir / "model-b")
     # 2 layers: layer 0 at position 0, layer 1 at position 1 of each gradient
     cases = {"model.layers.0.self_attn.q_proj.weight": 0.0, "model.layers.1.self_attn.q_proj.weight": 1.0,

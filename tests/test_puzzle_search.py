@@ -264,7 +264,7 @@ def test_export_gguf_searches_without_linear_ffn_and_writes_the_gguf(built_libra
 
 @pytest.mark.parametrize("args, message", [
     (["--export", "onnx"], "unknown export format 'onnx'"),
-    (["--export", "hf", "--export-dtype", "q8_0"], "q8_0 is a GGUF type"),
+    (["--export", "hf", "--encoding", "q8_0"], "q8_0 is a GGUF type"),
 ])
 def test_export_options_are_checked_before_any_work(args, message, tmp_path):
     result = runner.invoke(app, ["search", "--target", "h100", "--library", str(tmp_path / "missing"),

@@ -88,7 +88,7 @@ def test_stencil_form_both_layouts(tmp_path):
 
 def test_float32_option(tmp_path):
     np.savez(tmp_path / "s.npz", stencil=_stencil(33, 33), b=np.ones((33, 33)))
-    report = _report(_solve(tmp_path / "s.npz", "--dtype", "float32", "--json"))
+    report = _report(_solve(tmp_path / "s.npz", "--precision", "float32", "--json"))
     assert report["dtype"] == "float32" and report["residual"] <= 1e-4
 
 
@@ -189,7 +189,7 @@ def test_a_factor_beyond_memory_exits_7_in_one_line_and_writes_nothing(tmp_path,
     res = _solve(_sparse_npz(tmp_path / "a.npz", a, b=np.ones(1600), grid_shape=np.array([40, 40])), "--out", out)
     assert res.exit_code == 7, res.output
     lines = [line for line in res.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and "40x40 grid" in lines[0] and "--dtype float32" in lines[0]
+    assert len(lines) == 1 and "40x40 grid" in lines[0] and "--precision float32" in lines[0]
     assert "Traceback" not in res.output and not out.exists()
 
 

@@ -146,7 +146,7 @@ def test_a_factor_beyond_memory_is_refused_before_any_work(monkeypatch):
     monkeypatch.setattr(SSIFactor, "_factor", lambda self, held: (factored.append(1),
                                                                   setattr(self, "_ratio", torch.ones(1))))
     s = random_nine_point(np.random.default_rng(0), 64, 64, symmetric=True)
-    with pytest.raises(ResourceError, match=r"64x64 grid \(float64\).*--dtype float32"):
+    with pytest.raises(ResourceError, match=r"64x64 grid \(float64\).*--precision float32"):
         SSIFactor(s)
     assert not factored
     monkeypatch.setattr("mlxkit.engines.training.budget.machine_memory_bytes", lambda: stored + levels)

@@ -280,17 +280,17 @@ def _poisson_npz(path, side):
 def test_cli_float32_refine_reports_the_steps(tmp_path):
     path = _poisson_npz(tmp_path / "p.npz", 65)
     full = json.loads(runner.invoke(app, ["solve", str(path), "--device", "cpu", "--json"]).stdout)
-    res = runner.invoke(app, ["solve", str(path), "--device", "cpu", "--dtype", "float32", "--json"])
+    res = runner.invoke(app, ["solve", str(path), "--device", "cpu", "--precision", "float32", "--json"])
     assert res.exit_code == 0, res.output
     low = json.loads(res.stdout)
     assert "refine" not in full and low["dtype"] == "float32"
     assert low["residual"] <= 4 * max(full["residual"], 1e-15)
     assert low["refine"]["max_steps"] == 8 and 1 <= low["refine"]["steps"] <= 8
     assert low["refine"]["unrefined_residual"] >= 1e4 * low["residual"]
-    none = json.loads(runner.invoke(app, ["solve", str(path), "--device", "cpu", "--dtype", "float32", "--refine",
+    none = json.loads(runner.invoke(app, ["solve", str(path), "--device", "cpu", "--precision", "float32", "--refine",
                                           "0", "--json"]).stdout)
     assert "refine" not in none and none["residual"] == pytest.approx(low["refine"]["unrefined_residual"])
-    plain = runner.invoke(app, ["solve", str(path), "--device", "cpu", "--dtype", "float32", "--refine", "2"])
+    plain = runner.invoke(app, ["solve", str(path), "--device", "cpu", "--precision", "float32", "--refine", "2"])
     assert plain.exit_code == 0 and "refinement" in plain.stdout
     bad = runner.invoke(app, ["solve", str(path), "--refine", "-1"])
     assert bad.exit_code == 2 and "Traceback" not in bad.output
@@ -304,7 +304,7 @@ def test_cli_float32_refine_with_constant_nullspace(tmp_path):
     sp.save_npz(path, a.tocsr())
     arrays = dict(np.load(path))
     np.savez(path, **arrays, b=np.random.default_rng(15).standard_normal(180))
-    res = runner.invoke(app, ["solve", str(path), "--device", "cpu", "--dtype", "float32", "--nullspace", "constant",
+    res = runner.invoke(app, ["solve", str(path), "--device", "cpu", "--precision", "float32", "--nullspace", "constant",
                               "--json"])
     assert res.exit_code == 0, res.output
     report = json.loads(res.stdout)

@@ -314,7 +314,7 @@ class Step:
             np.savez(path, data=a.data, indices=a.indices, indptr=a.indptr, shape=np.array(a.shape),
                      format=np.array("csr"), b=np.ones(side * side))
             reset_peak()
-            run = run_verb(["solve", str(path), "--device", self.o.device, "--dtype", dtype], StageRecorder(log))
+            run = run_verb(["solve", str(path), "--device", self.o.device, "--precision", dtype], StageRecorder(log))
             run["peak_gpu_gib"] = peak_gpu_gib()
             result[f"{dtype}_{side}"] = {k: run.get(k) for k in ("method", "device", "dtype", "unknowns", "residual",
                                                                   "factor_s", "solve_s", "factor_bytes", "refine",
@@ -342,8 +342,8 @@ class Step:
             tuned.save_pretrained(root / f"ft{i}")
         inputs = [str(root / f"ft{i}") for i in range(3)]
         runs = {}
-        for label, flags in (("device_bf16", ["--device", self.o.device, "--dtype", "bfloat16"]),
-                             ("cpu_fp32", ["--device", "cpu", "--dtype", "float32"])):
+        for label, flags in (("device_bf16", ["--device", self.o.device, "--save-dtype", "bfloat16"]),
+                             ("cpu_fp32", ["--device", "cpu", "--save-dtype", "float32"])):
             runs[label] = run_verb(["merge", "--isotropic", *inputs, "--base", str(root / "base"), *flags,
                                     "-o", str(root / label)], StageRecorder(log))
         result: dict[str, Any] = {k: {f: v.get(f) for f in ("method", "device", "tensors", "wall_time_s", "error")}

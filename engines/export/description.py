@@ -67,11 +67,11 @@ class ModelDescription:
 
 @dataclass(frozen=True)
 class ExportPlan:
-    """A checked export: the model, the format, the type, and how each layer is written."""
+    """A checked export: the model, the format, the encoding, and how each layer is written."""
 
     model: ModelDescription
     format: str
-    dtype: str
+    encoding: str  # one of plan.ENCODINGS
     out: Path
     notes: list[str] = field(default_factory=list)
     gguf_layers: tuple[Any, ...] = ()   # gguf_layers.GGUFLayer per layer (gguf only)

@@ -53,7 +53,7 @@ def _permute(weights: np.ndarray, n_head: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weights.shape))
 
 
-def _qtype(shape: tuple[int, ...], dtype: str):
+def _qtype(shape: tuple[int, ...], encoding: str):
     """llama.cpp's converter rule: 1-D tensors stay F32; q8_0 falls back to F16 where rows don't fit its blocks.
 
     Returns the type and whether it is such a fallback.
@@ -61,9 +61,9 @@ def _qtype(shape: tuple[int, ...], dtype: str):
     from gguf import GGMLQuantizationType as Q
     from gguf.constants import GGML_QUANT_SIZES
 
-    if len(shape) == 1 or dtype == "f32":
+    if len(shape) == 1 or encoding == "f32":
         return Q.F32, False
-    if dtype == "f16":
+    if encoding == "f16":
         return Q.F16, False
     if shape[-1] % GGML_QUANT_SIZES[Q.Q8_0][0]:
         return Q.F16, True
@@ -93,7 +93,7 @@ def _llama3_rope_factors(model: ModelDescription) -> np.ndarray:
 
 def gguf_tensors(plan: ExportPlan, loader: LazyTensorLoader) -> tuple[list[GGUFTensor], list[str]]:
     """The GGUF tensors in writing order, each with a loader; nothing is read yet."""
-    model, dtype = plan.model, plan.dtype
+    model, encoding = plan.model, plan.encoding
     h, heads = model.hidden_size, model.num_heads
     fallbacks: list[str] = []
     tensors: list[GGUFTensor] = []
@@ -107,9 +107,9 @@ def gguf_tensors(plan: ExportPlan, loader: LazyTensorLoader) -> tuple[list[GGUFT
     def const(shape: tuple[int, ...], value: float) -> Callable[[], np.ndarray]:
         return lambda: np.full(shape, value, dtype=np.float32)
 
-    def add(name: str, shape: tuple[int, ...], load: Callable[[], np.ndarray], encoding: bool = False) -> None:
-        qtype, fell_back = _qtype(shape, dtype)
-        if fell_back and not encoding:  # the zero encodings are exact in any type; not worth a note
+    def add(name: str, shape: tuple[int, ...], load: Callable[[], np.ndarray], stand_in: bool = False) -> None:
+        qtype, fell_back = _qtype(shape, encoding)
+        if fell_back and not stand_in:  # the constant stand-ins are exact in any type; not worth a note
             fallbacks.append(name)
         tensors.append(GGUFTensor(name, shape, qtype, load))
 
@@ -138,8 +138,8 @@ def gguf_tensors(plan: ExportPlan, loader: LazyTensorLoader) -> tuple[list[GGUFT
         elif enc.attention == "linear":
             source(p + "self_attn.linear_attn.weight", b + "attn_output.weight")
         elif enc.attention == "zero":
-            add(b + "attn_norm.weight", (h,), const((h,), 1.0), encoding=True)
-            add(b + "attn_output.weight", (h, h), const((h, h), 0.0), encoding=True)
+            add(b + "attn_norm.weight", (h,), const((h,), 1.0), stand_in=True)
+            add(b + "attn_output.weight", (h, h), const((h, h), 0.0), stand_in=True)
         if enc.ffn == "mlp":
             source(p + "post_attention_layernorm.weight", b + "ffn_norm.weight")
             source(p + "mlp.gate_proj.weight", b + "ffn_gate.weight")
@@ -150,10 +150,10 @@ def gguf_tensors(plan: ExportPlan, loader: LazyTensorLoader) -> tuple[list[GGUFT
             source(p + "mlp.down_proj.bias", b + "ffn_down.bias")
         elif enc.ffn == "zero":
             w = enc.n_ff
-            add(b + "ffn_norm.weight", (h,), const((h,), 1.0), encoding=True)
-            add(b + "ffn_gate.weight", (w, h), const((w, h), 0.0), encoding=True)
-            add(b + "ffn_up.weight", (w, h), const((w, h), 0.0), encoding=True)
-            add(b + "ffn_down.weight", (h, w), const((h, w), 0.0), encoding=True)
+            add(b + "ffn_norm.weight", (h,), const((h,), 1.0), stand_in=True)
+            add(b + "ffn_gate.weight", (w, h), const((w, h), 0.0), stand_in=True)
+            add(b + "ffn_up.weight", (w, h), const((w, h), 0.0), stand_in=True)
+            add(b + "ffn_down.weight", (h, w), const((h, w), 0.0), stand_in=True)
     add("output_norm.weight", (h,), read("model.norm.weight"))
     if not model.tied:  # llama.cpp falls back to token_embd when output.weight is absent
         add("output.weight", model.expected["lm_head.weight"], read("lm_head.weight"))
@@ -162,10 +162,10 @@ def gguf_tensors(plan: ExportPlan, loader: LazyTensorLoader) -> tuple[list[GGUFT
     return tensors, notes
 
 
-def _file_type(dtype: str) -> int:
+def _file_type(encoding: str) -> int:
     from gguf import LlamaFileType
 
-    return {"f32": LlamaFileType.ALL_F32, "f16": LlamaFileType.MOSTLY_F16, "q8_0": LlamaFileType.MOSTLY_Q8_0}[dtype]
+    return {"f32": LlamaFileType.ALL_F32, "f16": LlamaFileType.MOSTLY_F16, "q8_0": LlamaFileType.MOSTLY_Q8_0}[encoding]
 
 
 def _add_metadata(writer, plan: ExportPlan, name: str) -> None:
@@ -189,8 +189,8 @@ def _add_metadata(writer, plan: ExportPlan, name: str) -> None:
         writer.add_rope_scaling_factor(float(model.rope.parameters["factor"]))
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
     writer.add_vocab_size(model.vocab_size)
-    writer.add_file_type(_file_type(plan.dtype))
-    if plan.dtype == "q8_0":
+    writer.add_file_type(_file_type(plan.encoding))
+    if plan.encoding == "q8_0":
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     plan.vocab.add_to(writer)
 

@@ -53,7 +53,7 @@ def nas_block_configs(model: ModelDescription) -> list[dict[str, Any]]:
     return blocks
 
 
-def nas_config(model: ModelDescription, dtype: str) -> dict[str, Any]:
+def nas_config(model: ModelDescription, encoding: str) -> dict[str, Any]:
     """config.json in the layout of NVIDIA's Nemotron-NAS checkpoints (RoPE as rope_theta + rope_scaling)."""
     config = model.config
     rope = model.rope
@@ -73,7 +73,7 @@ def nas_config(model: ModelDescription, dtype: str) -> dict[str, Any]:
         # layout takes the per-layer sizes from block_configs, so the parent's values stand in.
         "intermediate_size": int(config.parent_intermediate_size),
         "num_key_value_heads": int(config.parent_num_key_value_heads),
-        "torch_dtype": _TORCH_DTYPES[dtype],
+        "torch_dtype": _TORCH_DTYPES[encoding],
     }
 
 
@@ -88,7 +88,7 @@ def _tensor_names(plan: ExportPlan) -> list[str]:
 def _write_weights(plan: ExportPlan, directory: Path, reporter: Reporter) -> dict[str, Any]:
     import torch
 
-    dtype = getattr(torch, _TORCH_DTYPES[plan.dtype])
+    dtype = getattr(torch, _TORCH_DTYPES[plan.encoding])
     model = plan.model
     names = _tensor_names(plan)
     writer = TensorWriter(directory, SHARD_SIZE)
@@ -116,11 +116,11 @@ def write_hf_dir(plan: ExportPlan, directory: Path, reporter: Reporter) -> dict[
     model = plan.model
     code: dict[str, str] = {}
     if plan.format == "nemotron-nas":
-        config = nas_config(model, plan.dtype)
+        config = nas_config(model, plan.encoding)
         code, config["auto_map"] = remote_code_files("nemotron-nas")
     else:
         config = dict(model.source_config)
-        config["dtype"] = _TORCH_DTYPES[plan.dtype]
+        config["dtype"] = _TORCH_DTYPES[plan.encoding]
         config.pop("torch_dtype", None)
         if model.is_child:
             code, config["auto_map"] = remote_code_files("mlx_decilm")

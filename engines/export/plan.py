@@ -19,9 +19,9 @@ from mlxkit.engines.io.lazy_loader import ShardedTensorIndex
 from mlxkit.engines.models.decilm.blocks import AttentionVariant, FFNVariant, nas_width_ok
 
 ExportFormat = Literal["gguf", "nemotron-nas", "hf"]
-ExportDtype = Literal["f32", "f16", "q8_0"]
 FORMATS: tuple[str, ...] = ("gguf", "nemotron-nas", "hf")
-DTYPES: tuple[str, ...] = ("f32", "f16", "q8_0")
+# How the weights are written: an encoding of the file, not a compute dtype.
+ENCODINGS: tuple[str, ...] = ("f32", "f16", "q8_0")
 # Nemotron-NAS stores an FFN width as ffn_mult, read back as ceil_256(int(2·mult·hidden/3)):
 # only multiples of 256 come back exactly.
 NAS_WIDTH_MULTIPLE = 256
@@ -151,19 +151,19 @@ def ffn_expressible(fmt: str, ffn: FFNVariant, hidden_size: int) -> bool:
     return True
 
 
-def check_options(fmt: str, dtype: str) -> None:
-    """The format and dtype on their own, before any file is read."""
+def check_options(fmt: str, encoding: str) -> None:
+    """The format and encoding on their own, before any file is read."""
     if fmt not in FORMATS:
         raise InputError(f"unknown export format '{fmt}' (expected one of {', '.join(FORMATS)})")
-    if dtype not in DTYPES:
-        raise InputError(f"unknown dtype '{dtype}' (expected one of {', '.join(DTYPES)})")
-    if dtype == "q8_0" and fmt != "gguf":
+    if encoding not in ENCODINGS:
+        raise InputError(f"unknown encoding '{encoding}' (expected one of {', '.join(ENCODINGS)})")
+    if encoding == "q8_0" and fmt != "gguf":
         raise InputError("q8_0 is a GGUF type; HF formats take f32 or f16")
 
 
-def check_format(model: ModelDescription, fmt: str, dtype: str) -> list[str]:
+def check_format(model: ModelDescription, fmt: str, encoding: str) -> list[str]:
     """Refuse what `fmt` cannot hold (typed error naming the layers); return notes on how it is held."""
-    check_options(fmt, dtype)
+    check_options(fmt, encoding)
     notes: list[str] = []
     if fmt in ("gguf", "nemotron-nas"):
         _refuse_family_features(model, fmt)
@@ -243,32 +243,32 @@ def check_out(out: Path, fmt: str, overwrite: bool) -> Path:
     return out
 
 
-def plan_export(spec: str, fmt: str, out: str | Path, dtype: str = "f32", *, overwrite: bool = False,
+def plan_export(spec: str, fmt: str, out: str | Path, encoding: str = "f32", *, overwrite: bool = False,
                 reporter: Reporter | None = None) -> ExportPlan:
     """Everything checked, nothing written: the output path, the model, the per-format encoding."""
-    check_options(fmt, dtype)
+    check_options(fmt, encoding)
     out_path = check_out(Path(out), fmt, overwrite)
-    return _plan(spec, fmt, dtype, out_path, reporter)
+    return _plan(spec, fmt, encoding, out_path, reporter)
 
 
-def check_exportable(spec: str, fmt: str, dtype: str = "f32", reporter: Reporter | None = None) -> None:
+def check_exportable(spec: str, fmt: str, encoding: str = "f32", reporter: Reporter | None = None) -> None:
     """Raise what `plan_export` would raise for this model, whatever the output path.
 
     `mlx search --export` checks the parent with it before any work: a tokenizer or RoPE the
     format cannot hold is the parent's, and the child would inherit it.
     """
-    check_options(fmt, dtype)
-    _plan(spec, fmt, dtype, Path(f"unwritten.{fmt}"), reporter)
+    check_options(fmt, encoding)
+    _plan(spec, fmt, encoding, Path(f"unwritten.{fmt}"), reporter)
 
 
-def _plan(spec: str, fmt: str, dtype: str, out_path: Path, reporter: Reporter | None) -> ExportPlan:
+def _plan(spec: str, fmt: str, encoding: str, out_path: Path, reporter: Reporter | None) -> ExportPlan:
     model = describe_model(spec, reporter)
-    notes = check_format(model, fmt, dtype)
+    notes = check_format(model, fmt, encoding)
     if fmt != "gguf":
-        return ExportPlan(model, fmt, dtype, out_path, notes)
+        return ExportPlan(model, fmt, encoding, out_path, notes)
     from mlxkit.engines.export.gguf_vocab import build_vocab
 
     gguf_layers, layer_notes = plan_gguf_layers(model)
     vocab = build_vocab(model.directory, model.vocab_size)
-    return ExportPlan(model, fmt, dtype, out_path, notes + layer_notes + [f"tokenizer: {vocab.source}"],
+    return ExportPlan(model, fmt, encoding, out_path, notes + layer_notes + [f"tokenizer: {vocab.source}"],
                       tuple(gguf_layers), vocab)

@@ -23,13 +23,13 @@ def gguf_manifest_path(out: str | os.PathLike) -> Path:
 def _manifest(plan: ExportPlan) -> Manifest:
     manifest = Manifest(verb="export")
     manifest.add_input("model", plan.model.spec, plan.model.directory)
-    manifest.settings = {"format": plan.format, "dtype": plan.dtype}
+    manifest.settings = {"format": plan.format, "dtype": plan.encoding}
     return manifest
 
 
 def describe_plan(plan: ExportPlan) -> dict[str, Any]:
     """What an export would write (for --dry-run): read from config and headers only."""
-    return {"format": plan.format, "dtype": plan.dtype, "out": str(plan.out), "dry_run": True,
+    return {"format": plan.format, "dtype": plan.encoding, "out": str(plan.out), "dry_run": True,
             **_summary(plan), "notes": list(plan.notes)}
 
 
@@ -73,7 +73,7 @@ def run_export(plan: ExportPlan, *, overwrite: bool = False, reporter: Reporter 
             files = written.pop("files")
             manifest.results = {**_summary(plan), **written, "notes": notes}
             manifest.write(tmp)
-    result = {"format": plan.format, "dtype": plan.dtype, "out": str(plan.out), "files": files, **written,
+    result = {"format": plan.format, "dtype": plan.encoding, "out": str(plan.out), "files": files, **written,
               **_summary(plan), "notes": notes}
     if plan.format == "gguf":
         manifest.results = {k: v for k, v in result.items() if k not in ("out", "files")}
@@ -85,7 +85,7 @@ def run_export(plan: ExportPlan, *, overwrite: bool = False, reporter: Reporter 
     return result
 
 
-def export_model(model_dir: str | os.PathLike, format: str, out: str | os.PathLike, dtype: str = "f32", *,
+def export_model(model_dir: str | os.PathLike, format: str, out: str | os.PathLike, encoding: str = "f32", *,
                  overwrite: bool = False, reporter: Reporter | None = None) -> dict[str, Any]:
     """Export a child (or a Llama-family parent) for serving.
 
@@ -95,11 +95,11 @@ def export_model(model_dir: str | os.PathLike, format: str, out: str | os.PathLi
     format : "gguf" (one llama.cpp file, `deci` architecture), "nemotron-nas" (an HF directory in
         NVIDIA's public layout) or "hf" (an HF directory with its modeling code, loadable without mlxkit).
     out : the .gguf file, or the output directory.
-    dtype : "f32", "f16", or (GGUF only) "q8_0".
+    encoding : how the weights are written: "f32", "f16", or (GGUF only) "q8_0".
 
     Everything the format cannot express is refused with an `InputError` before anything is
     written. Returns a summary (also stored in the manifest).
     """
     reporter = reporter or Reporter()
-    plan = plan_export(str(model_dir), format, out, dtype, overwrite=overwrite, reporter=reporter)
+    plan = plan_export(str(model_dir), format, out, encoding, overwrite=overwrite, reporter=reporter)
     return run_export(plan, overwrite=overwrite, reporter=reporter)

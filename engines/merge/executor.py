@@ -107,7 +107,7 @@ def apply_alpha(task: TensorTask, base_t: Optional[torch.Tensor], result: torch.
     merged = merged.to(getattr(torch, task.out_dtype))
     if not all_finite(merged):
         raise NonFiniteTensorError(f"'{task.name}' overflows to infinity in {task.out_dtype} at alpha {alpha:g}; "
-                                   "use a smaller alpha or a wider output dtype (--dtype float32)")
+                                   "use a smaller alpha or a wider output dtype (--save-dtype float32)")
     return merged
 
 

@@ -133,7 +133,7 @@ def _tune_allocator(stencil: np.ndarray, dtype: str, leaf: int) -> None:
 
 
 def run_solve(path: str | os.PathLike, *, rhs: str | os.PathLike | None = None, grid: str | None = None,
-              method: str = "auto", nullspace: str = "none", dtype: str = "float64", leaf: int = 4,
+              method: str = "auto", nullspace: str = "none", precision: str = "float64", leaf: int = 4,
               refine: int | None = None, out: str | os.PathLike | None = None, overwrite: bool = False,
               device: str = "cpu", reporter: Reporter | None = None,
               tune_allocator: bool = False) -> tuple[dict, np.ndarray]:
@@ -158,8 +158,8 @@ def run_solve(path: str | os.PathLike, *, rhs: str | os.PathLike | None = None, 
         raise InputError(f"--method must be one of {', '.join(METHODS)}, got '{method}'")
     if nullspace not in ("none", "constant"):
         raise InputError(f"--nullspace must be 'none' or 'constant', got '{nullspace}'")
-    if dtype not in RESIDUAL_LIMIT:
-        raise InputError(f"--dtype must be float64 or float32, got '{dtype}'")
+    if precision not in RESIDUAL_LIMIT:
+        raise InputError(f"--precision must be float64 or float32, got '{precision}'")
     if refine is not None and (isinstance(refine, bool) or not isinstance(refine, int) or refine < 0):
         raise InputError(f"--refine must be an integer >= 0, got '{refine}'")
     if out is not None and Path(out).exists() and not overwrite:
@@ -181,20 +181,20 @@ def run_solve(path: str | os.PathLike, *, rhs: str | os.PathLike | None = None, 
     ssi = None
     if stencil is not None:
         if tune_allocator and compute.type == "cpu":
-            _tune_allocator(stencil, dtype, leaf)
-        solve, ssi = ssi_batch_solver(stencil, dtype, leaf, compute)
+            _tune_allocator(stencil, precision, leaf)
+        solve, ssi = ssi_batch_solver(stencil, precision, leaf, compute)
         used = "ssi"
     else:
         solve, used = sparse_batch_solver(_matrices(problem), "auto" if method == "auto" else method)
         late = [f"using the general sparse direct solver ({used})"] if method == "auto" else []
-        late += [f"{used} always works in float64"] if dtype != "float64" else []
+        late += [f"{used} always works in float64"] if precision != "float64" else []
         late += [f"{used} runs on the CPU (--device {device} applies to SSI)"] if compute.type != "cpu" else []
         compute = torch.device("cpu")
         for notice in late:
             reporter.notice(notice)
         notices += late
     factor_s = time.perf_counter() - t0
-    steps = DEFAULT_REFINE[dtype if used == "ssi" else "float64"] if refine is None else refine
+    steps = DEFAULT_REFINE[precision if used == "ssi" else "float64"] if refine is None else refine
     refined = None
     if steps:
         # Refine against what was factorised: the pinned system when --nullspace constant.
@@ -210,13 +210,13 @@ def run_solve(path: str | os.PathLike, *, rhs: str | os.PathLike | None = None, 
     check_finite_solution(x)
     mats = _matrices(original)
     residuals = relative_residuals(mats, x, original.b)
-    limit = RESIDUAL_LIMIT[dtype if used == "ssi" else "float64"]
+    limit = RESIDUAL_LIMIT[precision if used == "ssi" else "float64"]
     checked = residuals if lam is None else relative_residuals(mats, x, original.b - lam[:, None, :])
     if not max(checked) <= limit:
         hint = "" if nullspace == "constant" else "; for a pure-Neumann problem try --nullspace constant"
         raise residual_error(max(checked), limit, hint)
     report = {
-        "file": str(path), "method": used, "dtype": dtype if used == "ssi" else "float64", "device": str(compute),
+        "file": str(path), "method": used, "dtype": precision if used == "ssi" else "float64", "device": str(compute),
         "unknowns": int(problem.b.shape[1]), "systems": int(problem.batch), "rhs_columns": int(problem.b.shape[2]),
         "grid": list(stencil.shape[1:3]) if stencil is not None else None,
         "residual": max(residuals), "residuals": residuals, "factor_s": factor_s, "solve_s": solve_s,

@@ -255,7 +255,7 @@ def _as_stencil(stencil, dtype: torch.dtype, device) -> tuple[torch.Tensor, bool
         # finite in the file, infinite once cast: a float32 factor of a system scaled by 1e300
         peak = float(s.abs().max())
         raise InputError(f"stencil entries reach {peak:.1e}, beyond {str(dtype).removeprefix('torch.')}'s "
-                         f"range ({torch.finfo(dtype).max:.1e}); use --dtype float64 or rescale the system")
+                         f"range ({torch.finfo(dtype).max:.1e}); use --precision float64 or rescale the system")
     return narrowed, batched
 
 
@@ -335,7 +335,7 @@ class SSIFactor:
         stored, levels = factor_bytes(self.height, self.width, batch=self.batch, dtype=self.dtype,
                                       symmetric=self.symmetric, leaf=leaf)
         systems = f"{self.batch} systems on " if self.batched else ""
-        hint = ("a float32 factor (--dtype float32, refined in float64) needs about half"
+        hint = ("a float32 factor (--precision float32, refined in float64) needs about half"
                 if self.dtype == torch.float64 else "solve a smaller grid or batch")
         check_fits(stored + levels, self.device,
                    f"the SSI factor of {systems}a {self.height}x{self.width} grid ({str(self.dtype)[6:]})", hint)

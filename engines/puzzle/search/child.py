@@ -169,17 +169,17 @@ def build_child(options: SearchOptions, library_path: Path, library: BlockLibrar
     return StagedChild(Path(out), n_params, evaluation)
 
 
-def export_path(out: Path, fmt: str, dtype: str) -> Path:
-    """Where `--export` writes inside the child directory: `model-<dtype>.gguf`, or `export-<format>/`."""
-    return out / (f"model-{dtype}.gguf" if fmt == "gguf" else f"export-{fmt}")
+def export_path(out: Path, fmt: str, encoding: str) -> Path:
+    """Where `--export` writes inside the child directory: `model-<encoding>.gguf`, or `export-<format>/`."""
+    return out / (f"model-{encoding}.gguf" if fmt == "gguf" else f"export-{fmt}")
 
 
 def export_child(out: Path, options: SearchOptions, reporter: Reporter) -> dict[str, Any]:
     from mlxkit.engines.export import export_model
 
     assert options.export is not None
-    with reporter.task(f"exporting the child to {options.export} ({options.export_dtype})"):
-        written = export_model(out, options.export, export_path(out, options.export, options.export_dtype),
-                               options.export_dtype, overwrite=True, reporter=reporter)
+    with reporter.task(f"exporting the child to {options.export} ({options.export_encoding})"):
+        written = export_model(out, options.export, export_path(out, options.export, options.export_encoding),
+                               options.export_encoding, overwrite=True, reporter=reporter)
     return {"format": written["format"], "dtype": written["dtype"], "out": written["out"],
             "manifest": written["manifest"], "notes": written["notes"]}

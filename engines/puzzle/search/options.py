@@ -42,7 +42,7 @@ class SearchOptions:
     gkd_overrides: dict[str, Any] = field(default_factory=dict)
     export: str | None = None  # a format of `mlx export`: searched for, then written into `out`
     engine: str | None = None  # the serving engine; None: the profile's (engines/serving/capabilities.py)
-    export_dtype: str = "f32"
+    export_encoding: str = "f32"  # how the exported weights are written (export.plan.ENCODINGS)
     device: str = "auto"                 # see engines/training/device.py for the device and dtype rule
     dtype: str = "auto"
     save_dtype: str | None = None
@@ -54,7 +54,7 @@ class SearchOptions:
         if self.export is not None:
             from mlxkit.engines.export.plan import check_options
 
-            check_options(self.export, self.export_dtype)
+            check_options(self.export, self.export_encoding)
         if self.engine is not None:
             from mlxkit.engines.serving.capabilities import get_engine
 

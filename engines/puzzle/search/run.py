@@ -137,13 +137,13 @@ def _search(options: SearchOptions, reporter: Reporter, dist: Distributed, place
         if options.export is not None:
             from mlxkit.engines.export import check_exportable
 
-            check_exportable(options.model, options.export, options.export_dtype, reporter)
+            check_exportable(options.model, options.export, options.export_encoding, reporter)
     library_path, library = _library(options, reporter, dist)
     if engine is None:
         engine = serving_engine(options, profile, library.parent.spec if library.parent else None, reporter)
     library, excluded = engine_library(library, engine, reporter)
     if options.export is not None:
-        library = exportable_library(library, options.export, options.export_dtype, reporter)
+        library = exportable_library(library, options.export, options.export_encoding, reporter)
     options = replace(options, engine=engine.name)
     shape = library.parent.shape if library.parent is not None else None
     parent = SearchParent(library.parent.spec, placement, options.allow_pickle, reporter) \

@@ -76,14 +76,14 @@ def engine_library(library: BlockLibrary, engine, reporter: Reporter) -> tuple[B
     return library, excluded
 
 
-def exportable_library(library: BlockLibrary, fmt: str, dtype: str, reporter: Reporter) -> BlockLibrary:
+def exportable_library(library: BlockLibrary, fmt: str, encoding: str, reporter: Reporter) -> BlockLibrary:
     """`library` without the FFN variants that `fmt` cannot hold (attention variants all export)."""
     from mlxkit.engines.export import check_exportable, ffn_expressible
 
     if library.parent is None:
         raise InputError(f"--export {fmt} needs a library that records its parent's shape (an mlxkit library); "
                          "an NVlabs/puzzle demo library has none")
-    check_exportable(library.parent.spec, fmt, dtype, reporter)
+    check_exportable(library.parent.spec, fmt, encoding, reporter)
     hidden = library.parent.shape.hidden_size
     dropped = sorted({name for layer in library.layers for name, entry in layer.ffn.items()
                       if not ffn_expressible(fmt, entry.variant, hidden)})
