@@ -105,10 +105,10 @@ def test_recipe(tmp_path, models):
     (["--method", "iso-cts", "--param", "power_iters=2.5"], "power_iters must be an integer in [0, 100]"),
     # Neither spelling of one parameter wins silently, and a value YAML cannot read is refused as it is read.
     (["--method", "iso-cts", "--common-frac", "0.5", "--param", "common_frac=0.6"],
-     "--common-frac and --param common_frac= both set common_frac"),
+     "--common-frac and --set common_frac= both set common_frac"),
     (["--method", "iso-cts", "--param", "common-frac=0.5", "--param", "common_frac=0.6"],
-     "--param common_frac= is given twice"),
-    (["--method", "ties", "--param", "density=[[["], "--param density: cannot read the value '[[['"),
+     "--set common_frac= is given twice"),
+    (["--method", "ties", "--param", "density=[[["], "--set density: cannot read the value '[[['"),
     (["--max-shard-size", "huge"], "cannot read max_shard_size 'huge'"),
 ])
 def test_errors_are_one_line(tmp_path, models, args, message):

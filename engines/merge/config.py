@@ -694,14 +694,14 @@ def config_from_options(*, models: list[str], recipe: Optional[str], base: Optio
         parameters = dict(parameters or {})
         given: dict[str, Any] = {}
         # Values are YAML scalars (`0.3`, `true`, `[{filter: mlp, value: 0.5}]`), read as every verb's --set is.
-        for key, value in parse_overrides(params, "--param").items():
+        for key, value in parse_overrides(params, "--set").items():
             name = key.replace("-", "_")
             if name in given:
-                raise RecipeError(f"--param {name}= is given twice; give it once")
+                raise RecipeError(f"--set {name}= is given twice; give it once")
             given[name] = value
         if common_frac is not None:
             if "common_frac" in given:
-                raise RecipeError("--common-frac and --param common_frac= both set common_frac; give one of them")
+                raise RecipeError("--common-frac and --set common_frac= both set common_frac; give one of them")
             given["common_frac"] = common_frac  # text from the CLI: checked (and typed) like any parameter
         data["parameters"] = {**parameters, **given}
     elif parameters is None:
