@@ -20,8 +20,8 @@ GkdSetOpt = set_option("--gkd-set", help="Override a field of the GKD recipe (--
 
 _SEARCH = frozenset({"out", "throughput", "memory", "latency", "params", "library", "costs", "metric", "solutions",
                      "min_distance", "batch_sweep", "write_costs", "write_lp", "refine", "dry_run", "gkd_tokens",
-                     "gkd_recipe", "gkd_set", "export", "encoding", "export_dtype", "data", "device", "dtype", "save_dtype",
-                     "sharding", "seed", "overwrite", "allow_pickle"})
+                     "gkd_recipe", "gkd_set", "export", "encoding", "export_dtype", "data", "device", "dtype",
+                     "save_dtype", "sharding", "seed", "overwrite", "allow_pickle"})
 _MODES = ModeOptions("search", common=frozenset({"target", "model", "scenario", "recipe", "engine", "costs_only",
                                                 "json_out", "quiet", "verbose"}),
                      modes={"--costs-only": frozenset(), "without --costs-only": _SEARCH})
@@ -111,7 +111,8 @@ def search_command(
                             write_costs=write_costs, write_lp=write_lp, seed=seed, overwrite=overwrite,
                             allow_pickle=allow_pickle, gkd_tokens=gkd_tokens, gkd_recipe=gkd_recipe,
                             gkd_overrides=flags_and_overrides({}, gkd_set), export=export,
-                            export_encoding=encoding or "f32", engine=engine, device=device, dtype=dtype, save_dtype=save_dtype, sharding=sharding, refine=refine)
+                            export_encoding=encoding or "f32", engine=engine, device=device, dtype=dtype,
+                            save_dtype=save_dtype, sharding=sharding, refine=refine)
     if frontier:
         if not dry_run:
             raise fail("several --throughput targets draw the frontier: add --dry-run (one checkpoint per run)")

@@ -18,7 +18,8 @@ from mlxkit.cli._options import (JsonOpt, ModeOptions, Output, OverwriteOpt, Qui
 _SPARSE = "--method superlu|pardiso"
 _MODES = ModeOptions("solve", common=frozenset({"rhs", "method", "nullspace", "refine", "out", "overwrite", "json_out",
                                                "quiet", "verbose"}),
-                     modes={"--method auto|ssi": frozenset({"grid", "precision", "dtype", "leaf", "device"}), _SPARSE: frozenset()})
+                     modes={"--method auto|ssi": frozenset({"grid", "precision", "dtype", "leaf", "device"}),
+                            _SPARSE: frozenset()})
 
 
 @guarded
@@ -60,8 +61,8 @@ def solve_command(
     check_placement(device, dtype=None)
     output = Output(json_out, quiet, verbose)
     with claimed_output(out, kind="file", inputs=[file, rhs]):
-        report, _ = run_solve(file, rhs=rhs, grid=grid, method=method, nullspace=nullspace, precision=precision, leaf=leaf,
-                              refine=refine, out=out, overwrite=overwrite, device=device, reporter=output.reporter,
+        report, _ = run_solve(file, rhs=rhs, grid=grid, method=method, nullspace=nullspace, precision=precision,
+                              leaf=leaf, refine=refine, out=out, overwrite=overwrite, device=device, reporter=output.reporter,
                               tune_allocator=True)  # this process is ours
     output.emit(report, lambda r: _render(file, out, r, quiet))
 
