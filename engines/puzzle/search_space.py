@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from mlxkit.engines.models.decilm.blocks import (AttentionVariant, FFNVariant, ParentShape, parent_attention,
                                                  parent_ffn)
@@ -16,6 +17,29 @@ class SearchSpace:
     parent: ParentShape
     attention: tuple[AttentionVariant, ...]
     ffn: tuple[FFNVariant, ...]
+
+    def only(self, variants: "VariantFilter") -> "SearchSpace":
+        """The variants `variants` accepts, and the parent's own always (a child can keep any layer whole)."""
+        keep_attention = parent_attention(self.parent)
+        keep_ffn = parent_ffn(self.parent)
+        return SearchSpace(
+            self.parent,
+            tuple(v for v in self.attention if v == keep_attention or variants.attention(v, self.parent)),
+            tuple(v for v in self.ffn if v == keep_ffn or variants.ffn(v, self.parent)))
+
+
+@dataclass(frozen=True)
+class VariantFilter:
+    """The variants a library build covers: what a search can use, so nothing else is trained or scored.
+
+    Each block's training seed and replace-1-block score depend on that block alone, so a library
+    built for a subset holds the same blocks and scores as a full one, and can be extended later.
+    `why` completes "the variants ..." in notices ("that vLLM builds").
+    """
+
+    attention: Callable[[AttentionVariant, ParentShape], bool]
+    ffn: Callable[[FFNVariant, ParentShape], bool]
+    why: str
 
 
 def round_width(width: float, multiple: int) -> int:

@@ -71,7 +71,7 @@ from mlxkit.engines.puzzle.library.store import LibraryDir, read_library, write_
 from mlxkit.engines.puzzle.library.schema import BlockLibrary, BlockRecord, LayerEntry, ParentInfo, RunKey
 from mlxkit.engines.puzzle.recipe import PuzzleRecipe, load_recipe
 from mlxkit.engines.puzzle.library.scoring import ParentTail, Replacement, parent_metrics, score_streamed, score_subblock
-from mlxkit.engines.puzzle.search_space import SearchSpace, build_search_space
+from mlxkit.engines.puzzle.search_space import SearchSpace, VariantFilter, build_search_space
 from mlxkit.engines.puzzle.subblocks import SubblockKind, parent_subblock
 from mlxkit.engines.training.device import Placement, dtype_name, training_placement
 
@@ -97,6 +97,7 @@ class LibraryBuildOptions:
     save_dtype: str | None = None
     stream: bool = True                  # False: hold the whole parent in memory (the reference path)
     keep_activations: bool = False       # False: a finished library drops its activation cache
+    variants: VariantFilter | None = None  # None: every variant of the recipe's search space
 
 
 @dataclass(frozen=True)
@@ -139,7 +140,8 @@ def run_library_build(options: LibraryBuildOptions, reporter: Reporter | None = 
         stack.callback(layers.close)
         _check_memory(parent, options, placement)
         precision = Precision(placement, placement.save_dtype(source_dtype(source), options.save_dtype))
-        space = build_search_space(ParentShape.from_config(parent.config), options.recipe.search_space)
+        recipe_space = build_search_space(ParentShape.from_config(parent.config), options.recipe.search_space)
+        space = recipe_space if options.variants is None else recipe_space.only(options.variants)
         key = _check_or_write_state(library, options, layers, precision, dist, reporter)
         train_ids, val_ids = _calibration_tokens(options, layers, tokenizer, library, placement, dist, reporter)
         states_dir = library.work / "activations"
@@ -154,7 +156,7 @@ def run_library_build(options: LibraryBuildOptions, reporter: Reporter | None = 
         dist.barrier()
         summary: dict[str, Any] = {}
         if dist.is_main:
-            index = _write_index(parent, space, library, options, source, started, key)
+            index = _write_index(parent, recipe_space, space, library, options, source, started, key)
             if not options.keep_activations:
                 # Only building and scoring read the cache; the held-out tokens and the run key stay in .work/.
                 shutil.rmtree(states_dir, ignore_errors=True)
@@ -494,8 +496,10 @@ def _release_memory(placement: Placement) -> None:
         torch.cuda.empty_cache()
 
 
-def _write_index(parent, space: SearchSpace, library: LibraryDir, options: LibraryBuildOptions, source,
-                 started: float, key: RunKey | None) -> BlockLibrary:
+def _write_index(parent, recipe_space: SearchSpace, space: SearchSpace, library: LibraryDir,
+                 options: LibraryBuildOptions, source, started: float, key: RunKey | None) -> BlockLibrary:
+    """`library.json` over the variants of `space` (this run's) and those an earlier run of the same key
+    finished in this directory, in the recipe's order."""
     shape = space.parent
     # The parent's own variants carry the parent's metrics against itself, as scored (KL 0,
     # agreement 1, and its own LM loss); None when scoring was skipped.
@@ -503,10 +507,13 @@ def _write_index(parent, space: SearchSpace, library: LibraryDir, options: Libra
     layers = []
     for layer in range(shape.num_layers):
         entry: dict[str, dict[str, Any]] = {"attention": {}, "ffn": {}}
-        for kind, variants, parent_variant in (("attention", space.attention, parent_attention(shape)),
-                                                ("ffn", space.ffn, parent_ffn(shape))):
+        for kind, variants, wanted, parent_variant in (
+                ("attention", recipe_space.attention, space.attention, parent_attention(shape)),
+                ("ffn", recipe_space.ffn, space.ffn, parent_ffn(shape))):
             for variant in variants:
                 name = variant.name
+                if variant not in wanted and not _finished_earlier(library, layer, kind, variant):
+                    continue
                 item: dict[str, Any] = {"variant": variant}
                 if variant == parent_variant:
                     item.update(source="parent", metrics=parent_scores)
@@ -539,6 +546,14 @@ def _write_index(parent, space: SearchSpace, library: LibraryDir, options: Libra
     write_library(library.root, index)
     manifest.write(library.root)
     return index
+
+
+def _finished_earlier(library: LibraryDir, layer: int, kind: SubblockKind,
+                      variant: AttentionVariant | FFNVariant) -> bool:
+    """Whether an earlier run in this directory built (where it trains) and scored this variant."""
+    if library.read_score(layer, kind, variant.name) is None:
+        return False
+    return variant.kind == "no_op" or library.has_block(layer, kind, variant.name)
 
 
 def summarise(library: BlockLibrary) -> dict[str, Any]:
@@ -600,26 +615,51 @@ def default_library_dir(model: str, recipe: str, *, data: Path | None = None, se
 
 def ensure_library(model: str, recipe: str, *, data: Path | None = None, seed: int = 0, allow_pickle: bool = False,
                    device: str = "auto", dtype: str = "auto", save_dtype: str | None = None,
-                   reporter: Reporter | None = None) -> Path:
+                   variants: VariantFilter | None = None, reporter: Reporter | None = None) -> Path:
     """The cached library of (model weights, recipe contents, data, seed, dtypes), built and scored
     first if it has no index yet; a reused one is announced with the data and seed that built it.
 
-    `device`, `dtype` and `save_dtype` follow `LibraryBuildOptions`.
+    `variants` limits the build to what the caller will use (None: the whole search space). A cached
+    library that lacks some of them is extended in place: its blocks and scores are kept, and only
+    the missing variants are trained and scored. `device`, `dtype` and `save_dtype` follow
+    `LibraryBuildOptions`.
     """
     reporter = reporter or Reporter()
     path = default_library_dir(model, recipe, data=data, seed=seed, device=device, dtype=dtype,
                                save_dtype=save_dtype, reporter=reporter)
+    scope = "" if variants is None else f", the variants {variants.why}"
     if LibraryDir(path).index_file.exists():
         built = read_library(path)
-        reporter.notice(f"reusing the '{recipe}' block library of {model} at {path} "
-                        f"(built from {built.calibration or 'unknown data'}, seed {built.seed})")
-        return path
-    reporter.notice(f"building the '{recipe}' block library for {model} at {path} "
-                    "(resumable; reused by later searches with the same inputs)")
+        missing = _missing_variants(built, variants)
+        if not missing:
+            reporter.notice(f"reusing the '{recipe}' block library of {model} at {path} "
+                            f"(built from {built.calibration or 'unknown data'}, seed {built.seed})")
+            return path
+        reporter.notice(f"extending the '{recipe}' block library of {model} at {path} with {', '.join(missing)}"
+                        f"{scope} (its {len(built.layers)} layers' other blocks and scores are kept)")
+    else:
+        reporter.notice(f"building the '{recipe}' block library for {model}{scope} at {path} "
+                        "(resumable; reused by later searches with the same inputs)")
     run_library_build(LibraryBuildOptions(model=model, out=path, recipe=load_recipe(recipe), data=data, seed=seed,
-                               allow_pickle=allow_pickle, device=device, dtype=dtype, save_dtype=save_dtype),
-                reporter)
+                                          allow_pickle=allow_pickle, device=device, dtype=dtype,
+                                          save_dtype=save_dtype, variants=variants),
+                      reporter)
     return path
+
+
+def _missing_variants(library: BlockLibrary, variants: VariantFilter | None) -> list[str]:
+    """The names of the variants `variants` asks for that some layer of `library` lacks, attention first."""
+    if library.parent is None or library.recipe is None:
+        return []
+    space = build_search_space(library.parent.shape, library.recipe.search_space)
+    if variants is not None:
+        space = space.only(variants)
+    missing = []
+    for kind, wanted in (("attention", space.attention), ("ffn", space.ffn)):
+        for variant in wanted:
+            if any(variant.name not in layer.entries(kind) for layer in library.layers):  # type: ignore[arg-type]
+                missing.append(f"{'FFN' if kind == 'ffn' else kind} {variant.name}")
+    return missing
 
 
 def _weights_hash(path: Path) -> str:

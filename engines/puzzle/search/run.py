@@ -37,7 +37,8 @@ from mlxkit.engines.puzzle.library.store import read_library
 from mlxkit.engines.puzzle.search.child import build_and_distil, build_child, export_child
 from mlxkit.engines.puzzle.search.parent import SearchParent
 from mlxkit.engines.puzzle.search.options import DEFAULT_THROUGHPUT, SearchOptions, budgets_of
-from mlxkit.engines.puzzle.search.serving_fit import engine_library, exportable_library, serving_engine
+from mlxkit.engines.puzzle.search.serving_fit import (engine_library, exportable_library, search_variants,
+                                                        serving_engine)
 from mlxkit.engines.puzzle.search.solution import solve_search
 from mlxkit.engines.training.device import Placement, training_placement
 from mlxkit.engines.training.distributed import Distributed
@@ -138,7 +139,7 @@ def _search(options: SearchOptions, reporter: Reporter, dist: Distributed, place
             from mlxkit.engines.export import check_exportable
 
             check_exportable(options.model, options.export, options.export_encoding, reporter)
-    library_path, library = _library(options, reporter, dist)
+    library_path, library = _library(options, reporter, dist, engine)
     if engine is None:
         engine = serving_engine(options, profile, library.parent.spec if library.parent else None, reporter)
     library, excluded = engine_library(library, engine, reporter)
@@ -181,13 +182,16 @@ def _shared_outcome(stage):
         return exc
 
 
-def _library(options: SearchOptions, reporter: Reporter, dist: Distributed) -> tuple[Path, BlockLibrary]:
+def _library(options: SearchOptions, reporter: Reporter, dist: Distributed, engine) -> tuple[Path, BlockLibrary]:
+    """The library the search reads: `--library`, else the cache's, built or extended for what `engine`
+    (and `--export`'s format) can use, so no block the search cannot choose is trained or scored."""
     if options.library is not None:
         if not options.library.exists():
             raise InputError(f"library '{options.library}' does not exist")
         return options.library, read_library(options.library)
     path = ensure_library(options.model, options.recipe or "quick", data=options.data, seed=options.seed,
                           allow_pickle=options.allow_pickle, device=options.device, dtype=options.dtype,
-                          save_dtype=options.save_dtype, reporter=reporter)
+                          save_dtype=options.save_dtype, variants=search_variants(engine, options.export),
+                          reporter=reporter)
     dist.barrier()  # rank 0 writes the library's index after the other ranks are done
     return path, read_library(path)

@@ -1,5 +1,8 @@
-"""The search space a serving engine and an export format can hold: the library's variants filtered at
-solve time, so one library serves every engine."""
+"""The search space a serving engine and an export format can hold.
+
+A cached library is built and scored only for those variants (`search_variants`), and extended
+when a later search needs more; a library's variants are filtered again at solve time, so any
+library, `--library` included, serves every engine."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from mlxkit.engines.hardware.profile import HardwareProfile
 from mlxkit.engines.models.decilm.blocks import BlockChoice
 from mlxkit.engines.puzzle.library.schema import BlockLibrary
 from mlxkit.engines.puzzle.search.options import SearchOptions
+from mlxkit.engines.puzzle.search_space import VariantFilter
 
 def serving_engine(options: SearchOptions, profile: HardwareProfile, parent_spec: str | None,
                     reporter: Reporter):
@@ -54,16 +58,26 @@ def _parent_config_and_rope(spec: str, reporter: Reporter) -> tuple[Any, str]:
     return config, rope_of(config).rope_type
 
 
+def search_variants(engine, export: str | None) -> VariantFilter:
+    """The variants a search for `engine` (and `--export`'s format, if given) can choose."""
+    from mlxkit.engines.export import ffn_expressible
+
+    def ffn(variant, shape) -> bool:
+        return engine.holds_ffn(variant, shape.hidden_size) and (
+            export is None or ffn_expressible(export, variant, shape.hidden_size))
+
+    why = f"that {engine.title} builds" + (f" and {export} holds" if export is not None else "")
+    return VariantFilter(lambda variant, _shape: engine.holds_attention(variant), ffn, why)
+
+
 def engine_library(library: BlockLibrary, engine, reporter: Reporter) -> tuple[BlockLibrary, dict[str, list[str]]]:
     """`library` without the variants `engine` cannot build, and the names of those it dropped, per subblock."""
     hidden = library.parent.shape.hidden_size if library.parent is not None else None
     # Without the parent's shape (an NVlabs demo library) only the kinds can be checked, not the widths.
     keep_ffn = (lambda v: engine.holds_ffn(v, hidden)) if hidden is not None else (lambda v: v.kind in engine.ffn)
     excluded = {
-        "attention": sorted({name for layer in library.layers for name, entry in layer.attention.items()
-                             if not engine.holds_attention(entry.variant)}),
-        "ffn": sorted({name for layer in library.layers for name, entry in layer.ffn.items()
-                       if not keep_ffn(entry.variant)}),
+        "attention": sorted({v.name for v in _listed_variants(library, "attention") if not engine.holds_attention(v)}),
+        "ffn": sorted({v.name for v in _listed_variants(library, "ffn") if not keep_ffn(v)}),
     }
     if excluded["attention"] or excluded["ffn"]:
         parts = [f"{label} {', '.join(names)}" for label, names in (("attention", excluded["attention"]),
@@ -76,6 +90,18 @@ def engine_library(library: BlockLibrary, engine, reporter: Reporter) -> tuple[B
     return library, excluded
 
 
+def _listed_variants(library: BlockLibrary, kind: str) -> list[Any]:
+    """The variants of `kind` the library's layers list, and those of its recipe's search space, which a
+    library built for one engine's search holds only in part."""
+    variants = [entry.variant for layer in library.layers for entry in layer.entries(kind).values()]
+    if library.parent is not None and library.recipe is not None:
+        from mlxkit.engines.puzzle.search_space import build_search_space
+
+        space = build_search_space(library.parent.shape, library.recipe.search_space)
+        variants += list(space.attention if kind == "attention" else space.ffn)
+    return variants
+
+
 def exportable_library(library: BlockLibrary, fmt: str, encoding: str, reporter: Reporter) -> BlockLibrary:
     """`library` without the FFN variants that `fmt` cannot hold (attention variants all export)."""
     from mlxkit.engines.export import check_exportable, ffn_expressible
@@ -85,8 +111,7 @@ def exportable_library(library: BlockLibrary, fmt: str, encoding: str, reporter:
                          "an NVlabs/puzzle demo library has none")
     check_exportable(library.parent.spec, fmt, encoding, reporter)
     hidden = library.parent.shape.hidden_size
-    dropped = sorted({name for layer in library.layers for name, entry in layer.ffn.items()
-                      if not ffn_expressible(fmt, entry.variant, hidden)})
+    dropped = sorted({v.name for v in _listed_variants(library, "ffn") if not ffn_expressible(fmt, v, hidden)})
     if dropped:
         reporter.notice(f"--export {fmt}: searching without the FFN variants {', '.join(dropped)}, "
                         f"which {fmt} cannot hold")
