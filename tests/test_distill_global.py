@@ -137,6 +137,16 @@ def test_gradient_accumulation_is_normalised_over_the_global_batch(pair, text_fi
     assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
 
 
+def test_gradient_checkpointing_trains_the_same_student_as_keeping_the_activations(pair, text_file, tmp_path):
+    kept = run_distillation(_options(pair, text_file, tmp_path / "kept",
+                                     recipe={"gradient_checkpointing": False}))
+    recomputed = run_distillation(_options(pair, text_file, tmp_path / "recomputed",
+                                           recipe={"gradient_checkpointing": True}))
+    assert recomputed["final_loss"] == kept["final_loss"]
+    a, b = _weights(tmp_path / "kept"), _weights(tmp_path / "recomputed")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_a_run_with_other_settings_discards_the_unfinished_one_with_a_notice(pair, text_file, tmp_path):
     straight = tmp_path / "straight"
     run_distillation(_options(pair, text_file, straight, recipe={"optim.lr": 1e-3}))

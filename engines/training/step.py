@@ -47,10 +47,15 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 
 def clip_and_step(optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.Parameter], grad_clip: float) -> None:
-    """Clip the global gradient norm (when `grad_clip` > 0), then update."""
+    """Clip the global gradient norm (when `grad_clip` > 0), update, then drop the gradients.
+
+    Dropping them here, not at the next step's start, keeps a gradient-sized buffer out of the
+    held-out evaluations and checkpoints that run between steps.
+    """
     if grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(params, grad_clip)
     optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def release_training_state(optimizer: torch.optim.Optimizer) -> None:
