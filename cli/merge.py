@@ -15,7 +15,7 @@ from rich.table import Table
 from mlxkit.cli._errors import fail, guarded
 from mlxkit.cli._options import (DeviceOpt, JsonOpt, Output, OverwriteOpt, QuietOpt, RecipeOpt, TextFieldOpt,
                                  VerboseOpt, canonical_dtype, check_pairs, check_placement, claimed_output, console,
-                                 given_options, new_or_old, renamed_option, set_option)
+                                 flags_and_overrides, given_options, new_or_old, renamed_option, set_option)
 from mlxkit.engines.core.sizes import SIZE_HELP
 from mlxkit.engines.merge.params import ALPHA
 
@@ -67,7 +67,8 @@ def merge_command(
     if recipe and config_file:
         raise fail("give --recipe or --config, not both")
     config = config_from_options(models=models or [], recipe=recipe or config_file, base=base, method=method, isotropic=isotropic,
-                                 alpha=alpha, eval_data=eval_data or [], common_frac=common_frac, params=params,
+                                 alpha=alpha, eval_data=eval_data or [],
+                                 parameters=flags_and_overrides({"common_frac": ("--common-frac", common_frac)}, params),
                                  average_embeddings=average_embeddings, dtype=out_dtype,
                                  max_shard_size=max_shard_size, seed=seed,
                                  calibration_data=str(data) if data is not None else None,

@@ -118,7 +118,7 @@ _config = st.fixed_dictionaries({}, optional={
 
 def _merge_options(recipe: str, **flags) -> dict:
     base = dict(models=[], recipe=recipe, base=None, method=None, isotropic=False, alpha=None, eval_data=[],
-                common_frac=None, params=[], average_embeddings=None, dtype=None, max_shard_size=None, seed=None)
+                parameters={}, average_embeddings=None, dtype=None, max_shard_size=None, seed=None)
     return {**base, **flags}
 
 
@@ -132,7 +132,7 @@ def test_mergekit_reader_gives_a_config_or_the_typed_error(tmp_path, data, param
     except yaml.YAMLError:
         return
     try:
-        config = config_from_options(**_merge_options(str(path), params=params))
+        config = config_from_options(**_merge_options(str(path), parameters=parse_overrides(params)))
     except InputError:
         return
     assert isinstance(config, MergeConfig)

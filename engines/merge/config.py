@@ -41,7 +41,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from mlxkit.engines.core.sizes import parse_bytes
-from mlxkit.engines.core.yaml_config import (looks_like_file, packaged_yaml, parse_overrides,
+from mlxkit.engines.core.yaml_config import (looks_like_file, packaged_yaml,
                                              read_yaml_mapping, read_yaml_text, validate_model)
 from mlxkit.engines.errors import InputError, RecipeError
 from mlxkit.engines.merge.params import ALPHA, ALPHA_GRID_POINT, ParamDef
@@ -669,12 +669,15 @@ def validate_config(data: dict[str, Any], origin: str = "options") -> MergeConfi
 
 def config_from_options(*, models: list[str], recipe: Optional[str], base: Optional[str], method: Optional[str],
                         isotropic: bool, alpha: Optional[str], eval_data: list[str],
-                        common_frac: Optional[str | float],
-                        params: list[str], average_embeddings: Optional[bool], dtype: Optional[str],
+                        parameters: dict[str, Any], average_embeddings: Optional[bool], dtype: Optional[str],
                         max_shard_size: Optional[str], seed: Optional[int], calibration_data: Optional[str] = None,
                         text_field: Optional[str] = None, calibration_tokens: Optional[int] = None,
                         tokenizer: Optional[str] = None) -> MergeConfig:
-    """Merge CLI flags into a config: flags override the recipe; positional models replace its list."""
+    """Merge CLI flags into a config: flags override the recipe; positional models replace its list.
+
+    `parameters` are the method parameters the command line gives (`--set` pairs, read, and flags such
+    as `--common-frac`), over the recipe's own; `common-frac` and `common_frac` name the same one.
+    """
     if isotropic and method and method.replace("_", "-") not in ("iso-cts",):
         raise RecipeError(f"--isotropic means --method iso-cts; it conflicts with --method {method}")
     data: dict[str, Any] = {}
@@ -686,25 +689,19 @@ def config_from_options(*, models: list[str], recipe: Optional[str], base: Optio
         raise RecipeError("no models to merge: pass model paths or a --recipe with models: or slices:")
     if method or isotropic:
         data["merge_method"] = method or "iso-cts"
-    parameters = data.get("parameters")
-    if params or common_frac is not None:
-        if parameters is not None and not isinstance(parameters, dict):
+    recipe_parameters = data.get("parameters")
+    if parameters:
+        if recipe_parameters is not None and not isinstance(recipe_parameters, dict):
             raise RecipeError(f"merge settings (recipe '{recipe}') is invalid: parameters: must be a mapping of "
-                              f"parameter names to values, not a {type(parameters).__name__}")
-        parameters = dict(parameters or {})
+                              f"parameter names to values, not a {type(recipe_parameters).__name__}")
         given: dict[str, Any] = {}
-        # Values are YAML scalars (`0.3`, `true`, `[{filter: mlp, value: 0.5}]`), read as every verb's --set is.
-        for key, value in parse_overrides(params, "--set").items():
+        for key, value in parameters.items():
             name = key.replace("-", "_")
             if name in given:
                 raise RecipeError(f"--set {name}= is given twice; give it once")
             given[name] = value
-        if common_frac is not None:
-            if "common_frac" in given:
-                raise RecipeError("--common-frac and --set common_frac= both set common_frac; give one of them")
-            given["common_frac"] = common_frac  # text from the CLI: checked (and typed) like any parameter
-        data["parameters"] = {**parameters, **given}
-    elif parameters is None:
+        data["parameters"] = {**(recipe_parameters or {}), **given}
+    elif recipe_parameters is None:
         data.pop("parameters", None)  # mergekit writes `parameters:` with nothing under it for "none"
     # anything else (a list, a string) is left for the schema, which names `parameters` beside every other problem
     if alpha is not None:
