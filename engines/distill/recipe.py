@@ -15,10 +15,10 @@ RECIPE_PACKAGE = "mlxkit.recipes.distill"
 
 
 class LossSpec(StrictSpec):
-    cosine_weight: float = Field(1.0, ge=0, allow_inf_nan=False)
-    kl_weight: float = Field(1.0, ge=0, allow_inf_nan=False)
-    lm_weight: float = Field(0.0, ge=0, allow_inf_nan=False)
-    temperature: float = Field(1.0, gt=0, le=100, allow_inf_nan=False)
+    cosine_weight: float = Field(1.0, ge=0)
+    kl_weight: float = Field(1.0, ge=0)
+    lm_weight: float = Field(0.0, ge=0)
+    temperature: float = Field(1.0, gt=0, le=100)
     # K: the KL term compares the student with the teacher's K likeliest tokens plus one bucket for the
     # rest, read from a cache of the teacher's outputs (engines/distill/teacher_cache.py); the teacher
     # runs only on sequences no earlier run has cached. None: the teacher runs on every step, full KL.
@@ -47,7 +47,7 @@ class DistillSchedule(StrictSpec):
     tokens: int = Field(65536, ge=1)
     eval_every: int = Field(8, ge=1)
     checkpoint_every: int = Field(200, ge=1)
-    checkpoint_minutes: float = Field(10.0, ge=0, allow_inf_nan=False)  # also after this much wall time; 0: off
+    checkpoint_minutes: float = Field(10.0, ge=0)  # also after this much wall time; 0: off
 
 
 # Which of the student's weights train. `replaced_blocks`: the decoder layers of a Puzzle child whose

@@ -27,7 +27,7 @@ class LoraSpec(StrictSpec):
     """peft `LoraConfig` fields; scaling is alpha / r."""
 
     r: int = Field(8, ge=1, le=4096)
-    alpha: float = Field(16.0, gt=0, allow_inf_nan=False)
+    alpha: float = Field(16.0, gt=0)
     dropout: float = Field(0.0, ge=0, lt=1)
     # "all-linear" (peft's selector: every Linear but the output head) or module names / a regex.
     target_modules: Union[list[str], str] = "all-linear"
@@ -36,7 +36,7 @@ class LoraSpec(StrictSpec):
 class HTuningSpec(StrictSpec):
     """The mix-order step (H-Tuning, Zhou et al., ICML 2025)."""
 
-    zo_eps: float = Field(1e-3, gt=0, le=1, allow_inf_nan=False)       # SPSA perturbation size ε
+    zo_eps: float = Field(1e-3, gt=0, le=1)       # SPSA perturbation size ε
     mix_coef: float = Field(0.85, ge=0, le=1)                          # c: g = c·g_FO + (1−c)·‖g_FO‖·ĝ_ZO
     fo_sequences: int = Field(2, ge=1)                                 # backprop slice of each batch
     # The last `fo_layers` decoder layers (and a classification head, always) get an exact
@@ -58,7 +58,7 @@ class FinetuneSchedule(StrictSpec):
     steps: int = Field(100, ge=1)
     eval_every: int = Field(20, ge=1)
     checkpoint_every: int = Field(20, ge=1)
-    checkpoint_minutes: float = Field(10.0, ge=0, allow_inf_nan=False)  # also after this much wall time; 0: off
+    checkpoint_minutes: float = Field(10.0, ge=0)  # also after this much wall time; 0: off
 
 
 class FinetuneRecipe(StrictSpec):

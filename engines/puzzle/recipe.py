@@ -41,7 +41,7 @@ class BLDSpec(StrictSpec):
     lr: float = Field(1e-3, gt=0)
     min_lr_factor: float = Field(0.1, ge=0, le=1)
     weight_decay: float = Field(0.0, ge=0)
-    grad_clip: float = Field(1.0, ge=0, allow_inf_nan=False)  # the global gradient norm's limit; 0: no clipping
+    grad_clip: float = Field(1.0, ge=0)  # the global gradient norm's limit; 0: no clipping
     train_linear: bool = False
 
 

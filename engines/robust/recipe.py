@@ -21,9 +21,9 @@ from mlxkit.engines.training.spec import LrSchedule
 class AttackSpec(StrictSpec):
     """One threat model: the budget (a norm radius; for stadv, pixels of displacement) and its search."""
 
-    budget: float = Field(gt=0, le=1e6, allow_inf_nan=False)
+    budget: float = Field(gt=0, le=1e6)
     steps: int = Field(10, ge=1, le=10_000)                                  # ascent steps while training
-    step_size: Optional[float] = Field(None, gt=0, le=1e6, allow_inf_nan=False)  # default 2.5·budget/steps
+    step_size: Optional[float] = Field(None, gt=0, le=1e6)  # default 2.5·budget/steps
     eval_steps: int = Field(20, ge=1, le=100_000)                             # a stronger attack to evaluate
 
     def step_size_for(self, steps: int) -> float:
@@ -47,18 +47,18 @@ class RegularizerSpec(StrictSpec):
     """λ·E‖f(x′) − f(x)‖₂ on the logits; `alr` searches x′ in the attack's threat model, `ur` draws it."""
 
     kind: Literal["none", "alr", "ur"] = "alr"
-    weight: float = Field(1.0, ge=0, le=1e6, allow_inf_nan=False)   # λ
-    sigma: float = Field(2.0, gt=0, le=1e6, allow_inf_nan=False)    # ur: ℓ2 radius of the noise
+    weight: float = Field(1.0, ge=0, le=1e6)   # λ
+    sigma: float = Field(2.0, gt=0, le=1e6)    # ur: ℓ2 radius of the noise
 
 
 class SamplerSpec(StrictSpec):
-    momentum: float = Field(0.9, ge=0, lt=1, allow_inf_nan=False)   # running accuracy: weight of the history
+    momentum: float = Field(0.9, ge=0, lt=1)   # running accuracy: weight of the history
     probe_examples: int = Field(128, ge=1)                          # training examples that set its start
 
 
 class CrtData(StrictSpec):
-    low: float = Field(0.0, allow_inf_nan=False)    # the valid input range every attack stays inside
-    high: float = Field(1.0, allow_inf_nan=False)
+    low: float = Field(0.0)    # the valid input range every attack stays inside
+    high: float = Field(1.0)
     held_out_examples: int = Field(200, ge=1)       # evaluation examples (split off --data without --eval-data)
 
     @model_validator(mode="after")
@@ -70,17 +70,17 @@ class CrtData(StrictSpec):
 
 class CrtOptim(StrictSpec):
     optimizer: Literal["sgd", "adamw"] = "sgd"
-    momentum: float = Field(0.9, ge=0, lt=1, allow_inf_nan=False)   # sgd only
-    weight_decay: float = Field(5e-4, ge=0, le=1, allow_inf_nan=False)
+    momentum: float = Field(0.9, ge=0, lt=1)   # sgd only
+    weight_decay: float = Field(5e-4, ge=0, le=1)
     batch_size: int = Field(64, ge=1, le=1 << 20)
-    grad_clip: float = Field(0.0, ge=0, allow_inf_nan=False)         # 0: no clipping
+    grad_clip: float = Field(0.0, ge=0)         # 0: no clipping
 
 
 class PhaseSpec(StrictSpec):
     """Steps and learning rate of one phase: initial training, or fine-tuning on a new attack."""
 
     steps: int = Field(ge=1, le=10_000_000)
-    lr: float = Field(gt=0, le=10, allow_inf_nan=False)
+    lr: float = Field(gt=0, le=10)
     schedule: Literal["constant", "cosine"] = "constant"
 
     def lr_schedule(self) -> LrSchedule:
@@ -91,7 +91,7 @@ class PhaseSpec(StrictSpec):
 class CrtSchedule(StrictSpec):
     eval_every: int = Field(100, ge=1)
     checkpoint_every: int = Field(50, ge=1)
-    checkpoint_minutes: float = Field(10.0, ge=0, allow_inf_nan=False)  # also after this much wall time; 0: off
+    checkpoint_minutes: float = Field(10.0, ge=0)  # also after this much wall time; 0: off
 
 
 class CrtRecipe(StrictSpec):

@@ -21,7 +21,7 @@ class LrSchedule(StrictSpec):
     then cosine decay from `lr` to `min_lr_factor · lr`. A factor of 1 holds the rate at `lr` (no warm-up then
     means a constant rate), a factor of 0 decays it to zero."""
 
-    lr: float = Field(1e-4, gt=0, allow_inf_nan=False)
+    lr: float = Field(1e-4, gt=0)
     min_lr_factor: float = Field(0.1, ge=0, le=1)
     warmup_fraction: float = Field(0.05, ge=0, lt=1)
 
@@ -31,9 +31,9 @@ class LrSchedule(StrictSpec):
 
 
 class OptimSpec(LrSchedule):
-    lr: float = Field(1e-4, gt=0, le=1, allow_inf_nan=False)
-    weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False)
-    grad_clip: float = Field(1.0, ge=0, allow_inf_nan=False)
+    lr: float = Field(1e-4, gt=0, le=1)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, ge=0)
     batch_sequences: int = Field(4, ge=1)
     micro_batch_sequences: int = Field(2, ge=1)
     betas: tuple[float, float] = (0.9, 0.95)
