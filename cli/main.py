@@ -83,6 +83,19 @@ def _quiet_third_party_output() -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    # Importing mlxkit registers its model classes with transformers, so transformers and the hub have
+    # read these variables already; their switches are set directly too, unless the user asked for bars.
+    if os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1":
+        import sys
+
+        if "huggingface_hub" in sys.modules:
+            from huggingface_hub.utils import disable_progress_bars
+
+            disable_progress_bars()
+        if "transformers" in sys.modules:
+            from transformers.utils import logging as transformers_logging
+
+            transformers_logging.disable_progress_bar()
 
 
 def _register() -> None:
