@@ -86,8 +86,6 @@ def _quiet_third_party_output() -> None:
     # Importing mlxkit registers its model classes with transformers, so transformers and the hub have
     # read these variables already; their switches are set directly too, unless the user asked for bars.
     if os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1":
-        import sys
-
         if "huggingface_hub" in sys.modules:
             from huggingface_hub.utils import disable_progress_bars
 
