@@ -43,8 +43,10 @@ def test_a_signal_mid_write_leaves_no_temporaries(two_models, tmp_path, signum, 
     out, marker = tmp_path / "merged", tmp_path / "marker"
     command = [sys.executable, "-c", DRIVER, str(marker), "merge", "--method", "linear", *map(str, two_models),
                "-o", str(out), "--quiet"]
+    # A shell's background jobs (`nohup cmd &` in a script) inherit SIGINT ignored, and Python then installs
+    # no KeyboardInterrupt handler; the merge gets the disposition an interactive user's process has.
     proc = subprocess.Popen(command, cwd=REPO, env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 120
         while not marker.exists():
