@@ -21,6 +21,10 @@ ParentOpt = Annotated[str, typer.Option("--model", "-m", help="Parent model.")]
 ScoreOnlyOpt = Annotated[bool, typer.Option("--score-only", help="Only (re)score an existing library.")]
 NoScoreOpt = Annotated[bool, typer.Option("--no-score", help="Build the blocks but do not score them.")]
 InitOnlyOpt = Annotated[bool, typer.Option("--init-only", help="Initialise blocks without BLD training (ablation).")]
+LibraryEngineOpt = Annotated[Optional[str], typer.Option("--engine", help="Build only the blocks this serving "
+                             "engine builds (vllm, sglang, trtllm, llamacpp or transformers), as `mlx search "
+                             "--engine` would; a later search for another engine extends the library. Default: "
+                             "every block of the recipe's search space.")]
 KeepActivationsOpt = Annotated[bool, typer.Option("--keep-activations", help="Keep the parent's cached activations "
                                                   "in the finished library's .work/ (hundreds of MB; baselines and "
                                                   "block initialisation studies read them; --score-only recomputes "
@@ -41,6 +45,7 @@ def build_command(
     no_score: NoScoreOpt = False,
     init_only: InitOnlyOpt = False,
     keep_activations: KeepActivationsOpt = False,
+    engine: LibraryEngineOpt = None,
     text_field: TextFieldOpt = "text",
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
@@ -54,12 +59,13 @@ def build_command(
     build_library(out=out, model=model, data=data, recipe=recipe, score_only=score_only, no_score=no_score,
                   init_only=init_only, keep_activations=keep_activations, text_field=text_field, device=device,
                   dtype=dtype, save_dtype=save_dtype, seed=seed, allow_pickle=allow_pickle,
-                  output=Output(json_out, quiet, verbose))
+                  output=Output(json_out, quiet, verbose), engine=engine)
 
 
 def build_library(*, out: Path, model: str, data: Optional[Path], recipe: Optional[str], score_only: bool,
                   no_score: bool, init_only: bool, keep_activations: bool, text_field: str, device: str, dtype: str,
-                  save_dtype: Optional[str], seed: int, allow_pickle: bool, output: Output) -> None:
+                  save_dtype: Optional[str], seed: int, allow_pickle: bool, output: Output,
+                  engine: Optional[str] = None) -> None:
     """Build and score the library at `out` and report it; `mlx library build` and `mlx distill --bld` both run this."""
     from mlxkit.engines.puzzle.library.build import LibraryBuildOptions, run_library_build
     from mlxkit.engines.puzzle.recipe import load_recipe
@@ -67,10 +73,15 @@ def build_library(*, out: Path, model: str, data: Optional[Path], recipe: Option
     check_placement(device, dtype, save_dtype)
     if score_only and (no_score or init_only):
         raise fail("--score-only cannot be combined with --no-score or --init-only")
+    variants = None
+    if engine is not None:
+        from mlxkit.engines.puzzle.search.serving_fit import named_engine_variants
+
+        variants = named_engine_variants(engine, model, output.reporter)
     options = LibraryBuildOptions(model=model, out=out, recipe=load_recipe(recipe or "quick"), data=data,
                                   text_field=text_field, seed=seed, train=not init_only, score=not no_score,
                                   score_only=score_only, allow_pickle=allow_pickle, device=device, dtype=dtype,
-                                  save_dtype=save_dtype, keep_activations=keep_activations)
+                                  save_dtype=save_dtype, keep_activations=keep_activations, variants=variants)
     with claimed_output(out, kind="dir", inputs=[model, data]):
         summary = run_library_build(options, output.reporter)
     if not summary:  # a non-zero rank of a distributed run: rank 0 reports
@@ -82,8 +93,13 @@ def _render_library(summary: dict, quiet: bool) -> None:
     if not quiet:
         render_library_table(summary)
     console.print(f"[green]library[/green] {summary['library']}  ({summary['subblocks_trained']} subblocks trained, "
-                  f"{summary['variants_scored']} variants scored, median KL "
+                  f"{summary['variants_scored']} variants scored{_scope_note(summary)}, median KL "
                   f"{_fmt(summary['median_kl_nontrivial'])}, {summary['wall_time_s']} s)")
+
+
+def _scope_note(summary: dict) -> str:
+    built_for = summary.get("built_for", "")
+    return f" ({built_for})" if built_for.startswith("the variants") else ""
 
 
 def render_library_table(summary: dict) -> None:

@@ -125,3 +125,26 @@ def test_a_search_for_vllm_reports_what_it_left_out_of_its_cached_library(worksp
                                          "--throughput", "1.2x", "--dry-run", "--json"])
     assert reference.exit_code == 0, reference.output
     assert payload["choices"] == json.loads(reference.stdout)["choices"]
+
+
+def test_library_build_for_an_engine_builds_what_it_builds_as_a_full_build_does(workspace, tmp_path):
+    out = tmp_path / "lib"
+    result = CliRunner().invoke(app, ["library", "build", "--model", str(workspace["parent"]), "--recipe",
+                                      str(workspace["recipe"]), "--data", str(workspace["text"]), "--out", str(out),
+                                      "--engine", "vllm", "--device", "cpu", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["built_for"] == "the variants that vLLM builds"
+    assert _variants(workspace["full"]) - _variants(out) == NOT_IN_VLLM
+    _same_as_reference(out, workspace["full"])
+    manifest = json.loads((out / "mlxkit.json").read_text())
+    assert manifest["settings"]["built_for"] == "the variants that vLLM builds"
+
+
+def test_library_build_refuses_an_unknown_engine_before_writing_anything(workspace, tmp_path):
+    out = tmp_path / "lib"
+    result = CliRunner().invoke(app, ["library", "build", "--model", str(workspace["parent"]), "--out", str(out),
+                                      "--engine", "tensorrt", "--device", "cpu"])
+    assert result.exit_code != 0
+    assert "unknown serving engine 'tensorrt'" in result.output
+    assert "Traceback" not in result.output
+    assert not out.exists()

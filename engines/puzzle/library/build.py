@@ -162,6 +162,7 @@ def run_library_build(options: LibraryBuildOptions, reporter: Reporter | None = 
                 shutil.rmtree(states_dir, ignore_errors=True)
             summary = summarise(index)
             summary["library"] = str(library.index_file)
+            summary["built_for"] = _scope(options.variants)
             summary["wall_time_s"] = round(time.time() - started, 1)
         return summary
     finally:
@@ -541,11 +542,17 @@ def _write_index(parent, recipe_space: SearchSpace, space: SearchSpace, library:
     if options.data:
         manifest.add_input("data", str(options.data), options.data)
     manifest.seeds = {"seed": options.seed}
-    manifest.settings = {"recipe": options.recipe.model_dump(), "train": options.train}
+    manifest.settings = {"recipe": options.recipe.model_dump(), "train": options.train,
+                         "built_for": _scope(options.variants)}
     manifest.results = {k: v for k, v in summarise(index).items() if k != "per_layer"}
     write_library(library.root, index)
     manifest.write(library.root)
     return index
+
+
+def _scope(variants: VariantFilter | None) -> str:
+    """What this run built, in words: the whole search space or the variants a serving engine builds."""
+    return "every variant of the search space" if variants is None else f"the variants {variants.why}"
 
 
 def _finished_earlier(library: LibraryDir, layer: int, kind: SubblockKind,

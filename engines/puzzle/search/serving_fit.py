@@ -70,6 +70,17 @@ def search_variants(engine, export: str | None) -> VariantFilter:
     return VariantFilter(lambda variant, _shape: engine.holds_attention(variant), ffn, why)
 
 
+def named_engine_variants(name: str, parent_spec: str, reporter: Reporter) -> VariantFilter:
+    """`search_variants` of the engine called `name`, refusing a parent that engine cannot hold
+    (`mlx library build --engine`: a library built ahead of a search for that engine)."""
+    from mlxkit.engines.serving.capabilities import check_engine_holds_parent, get_engine
+
+    engine = get_engine(name)
+    config, rope_type = _parent_config_and_rope(parent_spec, reporter)
+    check_engine_holds_parent(engine, config, rope_type)
+    return search_variants(engine, None)
+
+
 def engine_library(library: BlockLibrary, engine, reporter: Reporter) -> tuple[BlockLibrary, dict[str, list[str]]]:
     """`library` without the variants `engine` cannot build, and the names of those it dropped, per subblock."""
     hidden = library.parent.shape.hidden_size if library.parent is not None else None
