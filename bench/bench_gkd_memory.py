@@ -3,9 +3,12 @@
 Each run is `mlx distill --gkd` of a 135M student against the embedded SmolLM2-135M teacher on the
 same text and batch, alone in a fresh process; its peak is `getrusage(RUSAGE_CHILDREN).ru_maxrss` of
 a small wrapper, and its speed the median tokens/s the training log reports after the first step.
-The working tree runs twice, as it is (the gkd recipe checkpoints) and with `gradient_checkpointing=false`.
+The working tree runs twice, as it is (the gkd recipe checkpoints) and with `gradient_checkpointing=false`;
+`--mmap-thresholds` adds a run of the working tree per glibc mmap threshold (`MALLOC_MMAP_THRESHOLD_`, bytes),
+compared with the working tree's default-allocator run.
 
     python bench/bench_gkd_memory.py --old 52d85a3 --student runs/demo/child --tokens 4096
+    python bench/bench_gkd_memory.py --old 52d85a3 --student smollm2-135m --mmap-thresholds 1048576,4194304
 
 Run it alone on the machine: the speeds are wall-clock.
 """
@@ -44,13 +47,13 @@ def old_package(commit: str, work: Path) -> Path:
 
 
 def run(label: str, student: str, tokens: int, work: Path, pythonpath: Path | None,
-        settings: dict[str, object]) -> dict:
+        settings: dict[str, object], env_extra: dict[str, str] | None = None) -> dict:
     out = work / f"out-{label}"
     command = [sys.executable, "-c", PEAK, sys.executable, "-m", "mlxkit", "distill", "--gkd",
                "--teacher", "smollm2-135m", "--student", student, "--data", str(SHARED / "wikitext2-valid.txt"),
                "--tokens", str(tokens), "--out", str(out), "--quiet",
                *[f"--set={k}={v}" for k, v in settings.items()]]
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", **(env_extra or {}))
     if pythonpath is not None:
         env["PYTHONPATH"] = str(pythonpath)
     started = time.time()
@@ -70,6 +73,7 @@ def main() -> None:
     parser.add_argument("--old", required=True, help="the commit to compare with")
     parser.add_argument("--student", required=True, help="a 135M student sharing SmolLM2's tokenizer")
     parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--mmap-thresholds", default="", help="comma-separated MALLOC_MMAP_THRESHOLD_ values (bytes)")
     args = parser.parse_args()
     student = str(Path(args.student).resolve()) if Path(args.student).exists() else args.student
     with tempfile.TemporaryDirectory() as tmp:
@@ -79,14 +83,17 @@ def main() -> None:
                     run("new", student, args.tokens, work, None, {}),
                     run("new, checkpointing off", student, args.tokens, work, None,
                         {"gradient_checkpointing": "false"})]
+            for threshold in filter(None, args.mmap_thresholds.split(",")):
+                rows.append(run(f"new, MALLOC_MMAP_THRESHOLD_={threshold}", student, args.tokens, work, None, {},
+                                {"MALLOC_MMAP_THRESHOLD_": threshold}))
         finally:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(work / "old-tree")],
                            capture_output=True)
-    base = rows[0]
     for row in rows:
-        row["peak_vs_old"] = round(row["peak_rss_mib"] / base["peak_rss_mib"], 2)
-        if row["median_tokens_per_s"] and base["median_tokens_per_s"]:
-            row["speed_vs_old"] = round(row["median_tokens_per_s"] / base["median_tokens_per_s"], 2)
+        for base, suffix in ((rows[0], "old"), (rows[1], "now")):
+            row[f"peak_vs_{suffix}"] = round(row["peak_rss_mib"] / base["peak_rss_mib"], 2)
+            if row["median_tokens_per_s"] and base["median_tokens_per_s"]:
+                row[f"speed_vs_{suffix}"] = round(row["median_tokens_per_s"] / base["median_tokens_per_s"], 2)
     print(json.dumps(rows, indent=1))
 
 

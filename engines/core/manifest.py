@@ -12,28 +12,73 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mlxkit.engines.core.atomic import atomic_write_text
+from mlxkit.engines.core.atomic import atomic_write_json, atomic_write_text
 
 MANIFEST_NAME = "mlxkit.json"
+
+
+# Inputs at least this large have their digest remembered in the cache (`content_hash`); smaller ones
+# hash faster than the memo is read.
+MEMO_MIN_BYTES = 16 << 20
 
 
 def content_hash(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
     """sha256 of a file, or of a directory's files (names and bytes, sorted).
 
-    Large weight files are hashed in full: the manifest promises the exact inputs.
+    Large weight files are hashed in full: the manifest promises the exact inputs. A digest is
+    remembered in the cache under the stat records of the files it covers (size, modification and
+    change times, inode, device), which any write to them changes, so the same unchanged parent or
+    corpus is read once, not once per verb and run that records it.
     """
     path = Path(path)
+    files = [path] if path.is_file() else [p for p in sorted(path.rglob("*")) if p.is_file() and not (
+        p.name == MANIFEST_NAME or any(part.startswith(".") for part in p.relative_to(path).parts))]
+    stamp = _stat_stamp(path, files)
+    memo = _memo_file(stamp) if sum(entry[1] for entry in stamp[1]) >= MEMO_MIN_BYTES else None
+    if memo is not None and (remembered := _read_memo(memo)) is not None:
+        return remembered
     digest = hashlib.sha256()
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
     for file in files:
         if path.is_dir():
-            if file.name == MANIFEST_NAME or any(part.startswith(".") for part in file.relative_to(path).parts):
-                continue
             digest.update(str(file.relative_to(path)).encode())
         with open(file, "rb") as handle:
             while block := handle.read(chunk):
                 digest.update(block)
-    return "sha256:" + digest.hexdigest()
+    value = "sha256:" + digest.hexdigest()
+    if memo is not None and _stat_stamp(path, files) == stamp:  # unchanged while it was read
+        try:
+            atomic_write_json(memo, {"hash": value})
+        except OSError:
+            pass  # a read-only cache only costs the next run a rehash
+    return value
+
+
+def _stat_stamp(root: Path, files: list[Path]) -> tuple[str, list[tuple]]:
+    entries = []
+    for file in files:
+        st = file.stat()
+        entries.append((str(file.relative_to(root)) if root.is_dir() else "", st.st_size, st.st_mtime_ns,
+                        st.st_ctime_ns, st.st_ino, st.st_dev))
+    return str(root.resolve()), entries
+
+
+def _memo_file(stamp: tuple[str, list[tuple]]) -> Path | None:
+    from mlxkit.engines.core.paths import cache_dir
+    from mlxkit.engines.errors import InputError
+
+    try:
+        root = cache_dir() / "content_hashes"
+    except InputError:
+        return None
+    return root / (hashlib.sha256(json.dumps(stamp).encode()).hexdigest()[:32] + ".json")
+
+
+def _read_memo(memo: Path) -> str | None:
+    try:
+        value = json.loads(memo.read_text()).get("hash")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) and value.startswith("sha256:") and len(value) == 71 else None
 
 
 @dataclass
