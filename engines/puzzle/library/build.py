@@ -198,7 +198,8 @@ def _check_memory(parent, options: LibraryBuildOptions, placement: Placement) ->
     Counted: the parent's resident weights (a streamed parent's layers stay on the meta device),
     one layer at the widest FFN training in float32 with its gradients and AdamW moments, one
     batch of that layer's activations, and scoring's float32 log-probabilities over the held-out
-    sequences: the parent's, one variant's and their KL terms, each sequences × positions × vocabulary.
+    sequences: the parent's log-probabilities and probabilities, one variant's logits and log-probabilities,
+    and their KL terms, each sequences × positions × vocabulary (`scoring.ParentTail`).
     """
     from mlxkit.engines.training.budget import activation_bytes, check_fits, optimiser_bytes
 
@@ -211,7 +212,7 @@ def _check_memory(parent, options: LibraryBuildOptions, placement: Placement) ->
     one_layer //= max(1, int(getattr(config, "num_hidden_layers", 1) or 1))
     training = (4 * block + optimiser_bytes(block) + one_layer) if not options.score_only else 0
     positions = recipe.data.score_sequences * (recipe.data.seq_len - 1)
-    scoring = 3 * positions * int(config.vocab_size) * 4 if (options.score or options.score_only) else 0
+    scoring = 5 * positions * int(config.vocab_size) * 4 if (options.score or options.score_only) else 0
     check_fits(resident + training + scoring, placement.device,
                f"the block library of '{options.model}' (recipe '{recipe.name}')")
 
