@@ -45,9 +45,10 @@ def _weights(out: Path) -> dict[str, torch.Tensor]:
 
 # ----------------------------------------------------------------------------- losses against direct formulas
 
-def test_chunked_logit_terms_match_a_direct_computation_in_value_and_gradient():
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_chunked_logit_terms_match_a_direct_computation_in_value_and_gradient(temperature):
     torch.manual_seed(0)
-    batch, seq, hidden, vocab, temperature = 2, 7, 8, 11, 2.0
+    batch, seq, hidden, vocab = 2, 7, 8, 11
     head_s, head_t = torch.nn.Linear(hidden, vocab, bias=False), torch.nn.Linear(hidden, vocab, bias=False)
     h_s = torch.randn(batch, seq, hidden, requires_grad=True)
     h_t = torch.randn(batch, seq, hidden)

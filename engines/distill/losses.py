@@ -43,6 +43,12 @@ class LogitTermSums:
     nll: torch.Tensor  # Σ_positions −log p_student(next token)
 
 
+def _softened(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """`logits / temperature`, without the copy at temperature 1 (dividing by 1 changes no value, and a
+    [chunk, vocabulary] copy and its gradient cost two passes over fresh memory)."""
+    return logits if temperature == 1.0 else logits / temperature
+
+
 def _chunk_sums(student_h: torch.Tensor, teacher_h: torch.Tensor, targets: torch.Tensor,
                 student_head: Head, teacher_head: Head, temperature: float,
                 with_kl: bool, with_nll: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,8 +56,9 @@ def _chunk_sums(student_h: torch.Tensor, teacher_h: torch.Tensor, targets: torch
     kl = nll = logits.new_zeros((), dtype=torch.float32)
     if with_kl:
         with torch.no_grad():
-            teacher_logp = F.log_softmax(teacher_head(teacher_h).float() / temperature, dim=-1)
-        kl = kl_from_log_probs(teacher_logp, F.log_softmax(logits / temperature, dim=-1)).sum() * temperature ** 2
+            teacher_logp = F.log_softmax(_softened(teacher_head(teacher_h).float(), temperature), dim=-1)
+        kl = kl_from_log_probs(teacher_logp, F.log_softmax(_softened(logits, temperature), dim=-1)).sum() * \
+            temperature ** 2
     if with_nll:
         nll = F.cross_entropy(logits, targets, reduction="sum")
     return kl, nll
@@ -107,7 +114,7 @@ def _cached_chunk_sums(student_h: torch.Tensor, top_logp: torch.Tensor, top_inde
                        targets: torch.Tensor, student_head: Head, temperature: float,
                        with_nll: bool) -> tuple[torch.Tensor, torch.Tensor]:
     logits = student_head(student_h).float()
-    kl = top_k_kl(top_logp, top_index, F.log_softmax(logits / temperature, dim=-1)).sum() * temperature ** 2
+    kl = top_k_kl(top_logp, top_index, F.log_softmax(_softened(logits, temperature), dim=-1)).sum() * temperature ** 2
     nll = F.cross_entropy(logits, targets, reduction="sum") if with_nll else logits.new_zeros((), dtype=torch.float32)
     return kl, nll
 
