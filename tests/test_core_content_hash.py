@@ -6,6 +6,7 @@ from __future__ import annotations
 import builtins
 import hashlib
 import os
+import time
 
 import pytest
 
@@ -32,7 +33,9 @@ def _reference(root) -> str:
 
 @pytest.fixture
 def memo_everything(monkeypatch):
+    """Remember every digest, of files written a moment ago too."""
     monkeypatch.setattr(manifest, "MEMO_MIN_BYTES", 1)
+    monkeypatch.setattr(manifest, "RACY_WINDOW_NS", 0)
 
 
 def _memos():
@@ -83,6 +86,7 @@ def test_rewriting_a_file_in_place_with_the_same_size_and_modification_time_reha
     data.write_bytes(b"a" * 4096)
     before = data.stat()
     old = content_hash(data)
+    time.sleep(0.05)  # past the file clock's tick, so the rewrite gets a new change time
     with open(data, "r+b") as handle:
         handle.write(b"b")
     os.utime(data, ns=(before.st_atime_ns, before.st_mtime_ns))  # what a careless copy tool leaves behind
@@ -105,5 +109,13 @@ def test_a_damaged_memo_is_ignored_and_replaced(tmp_path, memo_everything):
 def test_small_inputs_leave_no_memo(tmp_path):
     data = tmp_path / "tiny.txt"
     data.write_text("short")
+    assert content_hash(data) == _reference(data)
+    assert _memos() == []
+
+
+def test_a_file_written_a_moment_ago_is_hashed_but_not_remembered(tmp_path, monkeypatch):
+    monkeypatch.setattr(manifest, "MEMO_MIN_BYTES", 1)
+    data = tmp_path / "corpus.txt"
+    data.write_bytes(os.urandom(3000))
     assert content_hash(data) == _reference(data)
     assert _memos() == []

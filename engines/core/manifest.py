@@ -20,6 +20,9 @@ MANIFEST_NAME = "mlxkit.json"
 # Inputs at least this large have their digest remembered in the cache (`content_hash`); smaller ones
 # hash faster than the memo is read.
 MEMO_MIN_BYTES = 16 << 20
+# File times tick at the kernel's clock granularity (milliseconds), so a file written this recently could
+# be written again, the same size, with the same times: its digest is not remembered (git's racy-clean rule).
+RACY_WINDOW_NS = 2_000_000_000
 
 
 def content_hash(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
@@ -28,7 +31,8 @@ def content_hash(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
     Large weight files are hashed in full: the manifest promises the exact inputs. A digest is
     remembered in the cache under the stat records of the files it covers (size, modification and
     change times, inode, device), which any write to them changes, so the same unchanged parent or
-    corpus is read once, not once per verb and run that records it.
+    corpus is read once, not once per verb and run that records it. Files written in the last
+    `RACY_WINDOW_NS` are hashed every time.
     """
     path = Path(path)
     files = [path] if path.is_file() else [p for p in sorted(path.rglob("*")) if p.is_file() and not (
@@ -45,7 +49,8 @@ def content_hash(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
             while block := handle.read(chunk):
                 digest.update(block)
     value = "sha256:" + digest.hexdigest()
-    if memo is not None and _stat_stamp(path, files) == stamp:  # unchanged while it was read
+    settled = all(time.time_ns() - max(entry[2], entry[3]) >= RACY_WINDOW_NS for entry in stamp[1])
+    if memo is not None and settled and _stat_stamp(path, files) == stamp:  # unchanged while it was read
         try:
             atomic_write_json(memo, {"hash": value})
         except OSError:
