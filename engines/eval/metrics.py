@@ -71,7 +71,8 @@ class TokenMetrics:
                 self.nll_sum += -logp.gather(-1, targets[b, lo:lo + POSITION_CHUNK, None]).sum().item()
                 if ref_rows is not None:
                     ref_chunk = ref_rows[lo:lo + POSITION_CHUNK].float()
-                    self.kl_sum += kl_per_position(ref_chunk, chunk).sum().item()
+                    # kl_per_position(ref_chunk, chunk), with the chunk's log-softmax taken once
+                    self.kl_sum += kl_from_log_probs(F.log_softmax(ref_chunk, dim=-1), logp).sum().item()
                     self.agree += (ref_chunk.argmax(-1) == chunk.argmax(-1)).sum().item()
             self.positions += rows.shape[0]
 
