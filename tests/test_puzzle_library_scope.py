@@ -148,3 +148,19 @@ def test_library_build_refuses_an_unknown_engine_before_writing_anything(workspa
     assert "unknown serving engine 'tensorrt'" in result.output
     assert "Traceback" not in result.output
     assert not out.exists()
+
+
+def test_a_search_on_a_library_built_for_fewer_variants_says_what_it_lacks(workspace, tmp_path):
+    out = tmp_path / "lib"
+    run_library_build(LibraryBuildOptions(model=str(workspace["parent"]), out=out,
+                                          recipe=load_recipe(str(workspace["recipe"])), data=workspace["text"],
+                                          device="cpu", variants=search_variants(ENGINES["vllm"], None)),
+                      recording_reporter())
+    args = ["search", "--library", str(out), "--throughput", "1.2x", "--dry-run", "--json"]
+    for_transformers = CliRunner().invoke(app, [*args, "--target", "cpu"])
+    assert for_transformers.exit_code == 0, for_transformers.output
+    assert "has no attention linear, FFN ffn128, FFN linear of its recipe's search space" in for_transformers.stderr
+    assert f"--out {out} --engine transformers" in for_transformers.stderr
+    for_vllm = CliRunner().invoke(app, [*args, "--target", "h100"])
+    assert for_vllm.exit_code == 0, for_vllm.output
+    assert "has no" not in for_vllm.stderr

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 
-from mlxkit.engines.core.atomic import atomic_file, atomic_write_json
+from mlxkit.engines.core.atomic import atomic_file
 from mlxkit.engines.models.attention import prefer_sdpa
 from mlxkit.engines.training.distributed import Distributed
 from mlxkit.engines.core.manifest import Manifest, content_hash
@@ -601,7 +601,7 @@ def library_cache_key(model: str, recipe: str, *, data: Path | None = None, seed
     if data is not None:
         data = check_data_path(data)
     return {
-        "parent": _weights_hash(source.path) if source.path is not None else f"hub:{source.hub_id}",
+        "parent": content_hash(source.path) if source.path is not None else f"hub:{source.hub_id}",
         "recipe": load_recipe(recipe).model_dump(mode="json"),
         "data": content_hash(data) if data is not None else "sampled",
         "seed": seed,
@@ -638,7 +638,7 @@ def ensure_library(model: str, recipe: str, *, data: Path | None = None, seed: i
     scope = "" if variants is None else f", the variants {variants.why}"
     if LibraryDir(path).index_file.exists():
         built = read_library(path)
-        missing = _missing_variants(built, variants)
+        missing = missing_variants(built, variants)
         if not missing:
             reporter.notice(f"reusing the '{recipe}' block library of {model} at {path} "
                             f"(built from {built.calibration or 'unknown data'}, seed {built.seed})")
@@ -655,7 +655,7 @@ def ensure_library(model: str, recipe: str, *, data: Path | None = None, seed: i
     return path
 
 
-def _missing_variants(library: BlockLibrary, variants: VariantFilter | None) -> list[str]:
+def missing_variants(library: BlockLibrary, variants: VariantFilter | None) -> list[str]:
     """The names of the variants `variants` asks for that some layer of `library` lacks, attention first."""
     if library.parent is None or library.recipe is None:
         return []
@@ -668,23 +668,3 @@ def _missing_variants(library: BlockLibrary, variants: VariantFilter | None) -> 
             if any(variant.name not in layer.entries(kind) for layer in library.layers):  # type: ignore[arg-type]
                 missing.append(f"{'FFN' if kind == 'ffn' else kind} {variant.name}")
     return missing
-
-
-def _weights_hash(path: Path) -> str:
-    """`content_hash` of a model's files, remembered by their names, sizes, mtimes and inodes.
-
-    Hashing a large parent in full takes minutes, and every search asks again: the hash is
-    recomputed only when a file is added, removed, resized, or rewritten (a new mtime or inode).
-    """
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
-    stats = [[str(f), f.stat().st_size, f.stat().st_mtime_ns, f.stat().st_ino] for f in files]
-    memo = cache_dir() / "hashes" / f"{digest_of(str(path.resolve()), 12)}.json"
-    try:
-        remembered = json.loads(memo.read_text())
-        if remembered.get("files") == stats:
-            return remembered["hash"]
-    except (OSError, ValueError, AttributeError, KeyError):
-        pass
-    digest = content_hash(path)
-    atomic_write_json(memo, {"files": stats, "hash": digest})
-    return digest

@@ -31,7 +31,7 @@ from mlxkit.engines.errors import InputError
 from mlxkit.engines.hardware.costs import price_variants
 from mlxkit.engines.hardware.profile import load_profile
 from mlxkit.engines.models.decilm.blocks import ParentShape
-from mlxkit.engines.puzzle.library.build import ensure_library
+from mlxkit.engines.puzzle.library.build import ensure_library, missing_variants
 from mlxkit.engines.puzzle.library.schema import BlockLibrary
 from mlxkit.engines.puzzle.library.store import read_library
 from mlxkit.engines.puzzle.search.child import build_and_distil, build_child, export_child
@@ -142,6 +142,7 @@ def _search(options: SearchOptions, reporter: Reporter, dist: Distributed, place
     library_path, library = _library(options, reporter, dist, engine)
     if engine is None:
         engine = serving_engine(options, profile, library.parent.spec if library.parent else None, reporter)
+        _note_missing_variants(library_path, library, engine, options.export, reporter)
     library, excluded = engine_library(library, engine, reporter)
     if options.export is not None:
         library = exportable_library(library, options.export, options.export_encoding, reporter)
@@ -180,6 +181,16 @@ def _shared_outcome(stage):
         return stage()
     except Exception as exc:  # noqa: BLE001 - re-raised on every rank by the caller
         return exc
+
+
+def _note_missing_variants(path: Path, library: BlockLibrary, engine, export: str | None, reporter: Reporter) -> None:
+    """A notice when a given library lacks variants of its recipe's space that the search could choose
+    (one built for another engine's variants, say)."""
+    if missing := missing_variants(library, search_variants(engine, export)):
+        root = path if path.is_dir() else path.parent
+        reporter.notice(f"the library '{path}' has no {', '.join(missing)} of its recipe's search space, which "
+                        f"{engine.title} builds: the search chooses without them (`mlx library build --out {root} "
+                        f"--engine {engine.name}` adds them)")
 
 
 def _library(options: SearchOptions, reporter: Reporter, dist: Distributed, engine) -> tuple[Path, BlockLibrary]:
