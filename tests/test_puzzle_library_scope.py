@@ -67,12 +67,16 @@ def _same_as_reference(path, reference) -> None:
                     assert all(mine[k].equal(theirs[k]) for k in mine), (layer.layer, kind, name)
 
 
-def test_a_vllm_build_trains_and_scores_only_what_vllm_builds_each_as_a_full_build_does(workspace, tmp_path):
-    out = tmp_path / "vllm"
+def _build_for_vllm(workspace, out) -> None:
     run_library_build(LibraryBuildOptions(model=str(workspace["parent"]), out=out,
                                           recipe=load_recipe(str(workspace["recipe"])), data=workspace["text"],
                                           device="cpu", variants=search_variants(ENGINES["vllm"], None)),
                       recording_reporter())
+
+
+def test_a_vllm_build_trains_and_scores_only_what_vllm_builds_each_as_a_full_build_does(workspace, tmp_path):
+    out = tmp_path / "vllm"
+    _build_for_vllm(workspace, out)
     assert _variants(workspace["full"]) - _variants(out) == NOT_IN_VLLM
     assert not _variants(out) & NOT_IN_VLLM
     library = LibraryDir(out)
@@ -152,10 +156,7 @@ def test_library_build_refuses_an_unknown_engine_before_writing_anything(workspa
 
 def test_a_search_on_a_library_built_for_fewer_variants_says_what_it_lacks(workspace, tmp_path):
     out = tmp_path / "lib"
-    run_library_build(LibraryBuildOptions(model=str(workspace["parent"]), out=out,
-                                          recipe=load_recipe(str(workspace["recipe"])), data=workspace["text"],
-                                          device="cpu", variants=search_variants(ENGINES["vllm"], None)),
-                      recording_reporter())
+    _build_for_vllm(workspace, out)
     args = ["search", "--library", str(out), "--throughput", "1.2x", "--dry-run", "--json"]
     for_transformers = CliRunner().invoke(app, [*args, "--target", "cpu"])
     assert for_transformers.exit_code == 0, for_transformers.output
