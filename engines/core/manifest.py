@@ -49,8 +49,7 @@ def content_hash(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
             while block := handle.read(chunk):
                 digest.update(block)
     value = "sha256:" + digest.hexdigest()
-    settled = all(time.time_ns() - max(entry[2], entry[3]) >= RACY_WINDOW_NS for entry in stamp[1])
-    if memo is not None and settled and _stat_stamp(path, files) == stamp:  # unchanged while it was read
+    if memo is not None and _settled(stamp) and _stat_stamp(path, files) == stamp:  # unchanged while read
         try:
             atomic_write_json(memo, {"hash": value})
         except OSError:
@@ -65,6 +64,12 @@ def _stat_stamp(root: Path, files: list[Path]) -> tuple[str, list[tuple]]:
         entries.append((str(file.relative_to(root)) if root.is_dir() else "", st.st_size, st.st_mtime_ns,
                         st.st_ctime_ns, st.st_ino, st.st_dev))
     return str(root.resolve()), entries
+
+
+def _settled(stamp: tuple[str, list[tuple]]) -> bool:
+    """Whether every file was last written or changed at least `RACY_WINDOW_NS` ago."""
+    now = time.time_ns()
+    return all(now - max(mtime, ctime) >= RACY_WINDOW_NS for _, _, mtime, ctime, _, _ in stamp[1])
 
 
 def _memo_file(stamp: tuple[str, list[tuple]]) -> Path | None:

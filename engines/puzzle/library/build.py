@@ -635,7 +635,7 @@ def ensure_library(model: str, recipe: str, *, data: Path | None = None, seed: i
     reporter = reporter or Reporter()
     path = default_library_dir(model, recipe, data=data, seed=seed, device=device, dtype=dtype,
                                save_dtype=save_dtype, reporter=reporter)
-    scope = "" if variants is None else f", the variants {variants.why}"
+    scope = "" if variants is None else f", {_scope(variants)}"
     if LibraryDir(path).index_file.exists():
         built = read_library(path)
         missing = missing_variants(built, variants)

@@ -32,7 +32,8 @@ class ParentTail:
     the parent's probabilities are computed once and the child's log-probabilities and KL terms are
     written into two buffers that every variant reuses. On a CPU a fresh tensor that size is mapped and
     zero-filled page by page: at SmolLM2's vocabulary over 2 × 256 tokens, reusing them takes a variant's
-    head and metrics from 307 to 206 ms (`bench/bench_scoring_metrics.py`). The values are those of `engines.eval.metrics.kl_from_log_probs` on fresh tensors, bit for bit.
+    head and metrics from 307 to 206 ms (`bench/bench_scoring_metrics.py`). The values are those of
+    `engines.eval.metrics.kl_from_log_probs` on fresh tensors, bit for bit.
     """
 
     def __init__(self, parent_model, val_ids: torch.Tensor, final_state: torch.Tensor, pos):
@@ -42,12 +43,19 @@ class ParentTail:
         self.targets = val_ids[:, 1:].to(module_device(parent_model))
         self.parent_logp = self.log_probs(final_state)
         self.parent_top1 = self.parent_logp.argmax(-1)
-        self._reused: dict[str, torch.Tensor] = {}
+        self._parent_probs: torch.Tensor | None = None
+        self._scratch: dict[str, torch.Tensor] = {}
+
+    def _parent_probabilities(self) -> torch.Tensor:
+        if self._parent_probs is None:
+            self._parent_probs = self.parent_logp.exp()
+        return self._parent_probs
 
     def _buffer(self, name: str) -> torch.Tensor:
-        if name not in self._reused:
-            self._reused[name] = self.parent_logp.exp() if name == "parent_probs" else torch.empty_like(self.parent_logp)
-        return self._reused[name]
+        """A scratch tensor shaped like the log-probabilities, the same one on every call with `name`."""
+        if name not in self._scratch:
+            self._scratch[name] = torch.empty_like(self.parent_logp)
+        return self._scratch[name]
 
     def log_probs(self, state: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Next-token log-probabilities at the positions that have a target (all but the last), from the
@@ -66,7 +74,7 @@ class ParentTail:
 
     def metric_tensors(self, child_logp: torch.Tensor) -> dict[str, torch.Tensor]:
         """The metrics as 0-d float32 tensors on the device (no host synchronisation)."""
-        terms = torch.sub(self.parent_logp, child_logp, out=self._buffer("terms")).mul_(self._buffer("parent_probs"))
+        terms = torch.sub(self.parent_logp, child_logp, out=self._buffer("terms")).mul_(self._parent_probabilities())
         kl = terms.sum(-1).mean()
         lm_loss = -child_logp.gather(-1, self.targets.unsqueeze(-1)).mean()
         agree = (child_logp.argmax(-1) == self.parent_top1).float().mean()
