@@ -72,6 +72,39 @@ def test_chunked_logit_terms_match_a_direct_computation_in_value_and_gradient(te
     torch.testing.assert_close(head_grad_chunked, head_s.weight.grad, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_kl_term_equals_the_metric_bit_for_bit_and_its_gradient_autograds(temperature):
+    from mlxkit.engines.eval.metrics import kl_from_log_probs
+
+    torch.manual_seed(1)
+    batch, seq, hidden, vocab = 2, 9, 8, 13
+    head_s, head_t = torch.nn.Linear(hidden, vocab, bias=False), torch.nn.Linear(hidden, vocab, bias=False)
+    h_s = torch.randn(batch, seq, hidden, requires_grad=True)
+    h_t = torch.randn(batch, seq, hidden)
+    ids = torch.randint(0, vocab, (batch, seq))
+    sums = logit_term_sums(h_s, h_t, ids, head_s, head_t, temperature=temperature, chunk=batch * (seq - 1))
+    sums.kl.backward()
+
+    # autograd through the metric itself, on the same one chunk of positions
+    s = h_s.detach()[:, :-1].reshape(-1, hidden).requires_grad_(True)
+    with torch.no_grad():
+        t_logp = F.log_softmax(head_t(h_t[:, :-1].reshape(-1, hidden)) / temperature, -1)
+    reference = kl_from_log_probs(t_logp, F.log_softmax(head_s(s) / temperature, -1)).sum() * temperature ** 2
+    reference.backward()
+    assert sums.kl.item() == reference.item()  # the same operations in the same order
+    torch.testing.assert_close(h_s.grad[:, :-1].reshape(-1, hidden), s.grad, rtol=1e-5, atol=1e-6)
+    assert torch.count_nonzero(h_s.grad[:, -1]) == 0  # the last position predicts nothing
+
+
+def test_logit_chunks_hold_the_same_bytes_whatever_the_vocabulary():
+    from mlxkit.engines.distill.losses import CHUNK_BYTES, MIN_CHUNK, logit_chunk
+
+    assert logit_chunk(49152) == 256
+    for vocab in (32000, 128256, 151936):
+        assert logit_chunk(vocab) * vocab * 4 <= CHUNK_BYTES < (logit_chunk(vocab) + 1) * vocab * 4
+    assert logit_chunk(10**9) == MIN_CHUNK
+
+
 def test_cosine_distance_sum_matches_numpy():
     rng = np.random.default_rng(3)
     a = [rng.normal(size=(2, 5, 4)) for _ in range(3)]

@@ -21,12 +21,27 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from mlxkit.engines.eval.metrics import kl_from_log_probs
 
 # Final hidden states -> logits, as the model's forward computes them (`models.heads.OutputHead`).
 Head = Callable[[torch.Tensor], torch.Tensor]
 
-LOGIT_CHUNK = 512  # positions per chunk: [512, 49152] float32 is 100 MB per tensor
+# Bytes of one [positions, vocabulary] float32 tensor of a chunk. Above glibc's largest mmap threshold
+# (32 MiB) each such tensor is mapped and unmapped whole, so none is left behind fragmenting the heap;
+# at SmolLM2's 49,152 words this is 256 positions, which took 210 MiB off a CPU GKD run's peak against
+# 512 positions (BENCHMARKS.md, "GKD's peak memory").
+CHUNK_BYTES = 48 * 2**20
+MIN_CHUNK = 16
+
+
+def logit_chunk(vocab_size: int) -> int:
+    """Positions per chunk for a vocabulary of `vocab_size`: `CHUNK_BYTES` of float32 logits."""
+    return max(MIN_CHUNK, CHUNK_BYTES // (4 * vocab_size))
+
+
+def _head_vocabulary(head: Head) -> int:
+    """The vocabulary of an `OutputHead` or of a bare projection module."""
+    size = getattr(head, "vocab_size", None)
+    return int(size) if size is not None else int(head.weight.shape[0])  # type: ignore[attr-defined]
 
 
 def cosine_distance_sum(student_hidden: Sequence[torch.Tensor], teacher_hidden: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -49,16 +64,45 @@ def _softened(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return logits if temperature == 1.0 else logits / temperature
 
 
+class _KLFromLogits(torch.autograd.Function):
+    """T² · Σ_rows KL(teacher_T || softmax(logits / T)), given the teacher's log-probabilities at T.
+
+    Autograd through `kl_from_log_probs` and `log_softmax` keeps the difference, the teacher's
+    probabilities and the log-probabilities for the backward, and allocates a fresh vocabulary-wide
+    tensor for each of its gradients. This keeps two tensors and computes the gradient, T·(q − p) with
+    q the student's probabilities at T, in place in the first. The value is the same bit for bit; the
+    gradient differs from autograd's by float32 rounding (autograd's carries a factor Σ p, 1 to within
+    rounding). The saved tensors are overwritten, so the graph can be differentiated once.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, teacher_logp: torch.Tensor, temperature: float) -> torch.Tensor:
+        logp = F.log_softmax(_softened(logits, temperature), dim=-1)
+        probs = teacher_logp.exp()
+        # The terms of `kl_from_log_probs`, in the same order of operations.
+        kl = torch.sub(teacher_logp, logp).mul_(probs).sum(-1).sum() * temperature ** 2
+        ctx.save_for_backward(logp, probs)
+        ctx.temperature = temperature
+        return kl
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        logp, probs = ctx.saved_tensors
+        return logp.exp_().sub_(probs).mul_(grad * ctx.temperature), None, None
+
+
 def _chunk_sums(student_h: torch.Tensor, teacher_h: torch.Tensor, targets: torch.Tensor,
                 student_head: Head, teacher_head: Head, temperature: float,
                 with_kl: bool, with_nll: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = student_head(student_h).float()
-    kl = nll = logits.new_zeros((), dtype=torch.float32)
-    if with_kl:
+    teacher_logp = None
+    if with_kl:  # first, so that the teacher's logits are freed before the student's are made
         with torch.no_grad():
             teacher_logp = F.log_softmax(_softened(teacher_head(teacher_h).float(), temperature), dim=-1)
-        kl = kl_from_log_probs(teacher_logp, F.log_softmax(_softened(logits, temperature), dim=-1)).sum() * \
-            temperature ** 2
+    logits = student_head(student_h).float()
+    kl = nll = logits.new_zeros((), dtype=torch.float32)
+    if teacher_logp is not None:
+        kl = _KLFromLogits.apply(logits, teacher_logp, temperature)
     if with_nll:
         nll = F.cross_entropy(logits, targets, reduction="sum")
     return kl, nll
@@ -66,12 +110,14 @@ def _chunk_sums(student_h: torch.Tensor, teacher_h: torch.Tensor, targets: torch
 
 def logit_term_sums(student_final: torch.Tensor, teacher_final: torch.Tensor, input_ids: torch.Tensor,
                     student_head: Head, teacher_head: Head, *, temperature: float = 1.0,
-                    with_kl: bool = True, with_nll: bool = False, chunk: int = LOGIT_CHUNK) -> LogitTermSums:
+                    with_kl: bool = True, with_nll: bool = False, chunk: int | None = None) -> LogitTermSums:
     """KL and NLL sums over the positions that predict a next token (all but the last of each sequence).
 
     `student_final` / `teacher_final` are the final normalised hidden states [B, T, H]; the heads
-    map them to logits. The teacher side runs without gradients.
+    map them to logits. The teacher side runs without gradients. `chunk` positions go through the
+    heads at a time (default: `logit_chunk` of the vocabulary).
     """
+    chunk = chunk or logit_chunk(_head_vocabulary(student_head))
     hidden = student_final.shape[-1]
     s = student_final[:, :-1].reshape(-1, hidden)
     t = teacher_final[:, :-1].reshape(-1, teacher_final.shape[-1]).detach()
@@ -121,9 +167,10 @@ def _cached_chunk_sums(student_h: torch.Tensor, top_logp: torch.Tensor, top_inde
 
 def cached_logit_term_sums(student_final: torch.Tensor, top_logp: torch.Tensor, top_index: torch.Tensor,
                            input_ids: torch.Tensor, student_head: Head, *, temperature: float = 1.0,
-                           with_nll: bool = False, chunk: int = LOGIT_CHUNK) -> LogitTermSums:
+                           with_nll: bool = False, chunk: int | None = None) -> LogitTermSums:
     """`logit_term_sums` against a teacher's cached top-k log-probabilities ([B, T-1, K], at `temperature`)
     instead of its hidden states: the KL term is `top_k_kl`, T²-scaled."""
+    chunk = chunk or logit_chunk(_head_vocabulary(student_head))
     hidden = student_final.shape[-1]
     s = student_final[:, :-1].reshape(-1, hidden)
     k = top_logp.shape[-1]

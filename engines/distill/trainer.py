@@ -49,7 +49,7 @@ from mlxkit.engines.training.spec import build_adamw, gradient_checkpointing_on
 from mlxkit.engines.training.sharding import build_sharded, is_sharded, meta_model, sharding_on
 from mlxkit.engines.training.step import (check_global_batch, clip_and_step, decoder_states,
                                           enable_gradient_checkpointing, place_frozen, place_trainable,
-                                          set_learning_rate, term_sums)
+                                          release_freed_host_memory, set_learning_rate, term_sums)
 from mlxkit.engines.training.work import check_run_key, finished_run_key, refuse_existing_output
 
 Mode = Literal["gkd", "kd"]
@@ -316,9 +316,11 @@ class DistillationRun(TrainingRun):
             with self._autocast:
                 loss = self._piece_loss(ids, sums, positions * n_layers, predicted)
             loss.backward()
+            release_freed_host_memory(self.placement.device)
         # A sharded model's gradients were already summed over ranks by FSDP.
         self.dist.all_reduce_sum([*gradients([p for p in self.params if not is_sharded(p)]), sums])
         clip_and_step(self.optimizer, self.params, spec.grad_clip)
+        release_freed_host_memory(self.placement.device)
         # Left on the device: the step loop reads them back (and checks them) at logged steps only.
         cosine, kl, nll = sums[0] / (positions * n_layers), sums[1] / predicted, sums[2] / predicted
         total = loss_spec.cosine_weight * cosine + loss_spec.kl_weight * kl + loss_spec.lm_weight * nll
@@ -334,7 +336,9 @@ class DistillationRun(TrainingRun):
         if loss_spec.cosine_weight > 0 or loss_spec.kl_weight > 0:  # an LM-loss-only run never needs the teacher
             with torch.no_grad():
                 teacher_layers, teacher_final = decoder_states(self.teacher, ids)
+            release_freed_host_memory(self.placement.device)
         student_layers, student_final = decoder_states(self.student, ids)
+        release_freed_host_memory(self.placement.device)
         loss = student_final.new_zeros((), dtype=torch.float32)
         if loss_spec.cosine_weight > 0:
             cosine = cosine_distance_sum(student_layers, teacher_layers)

@@ -20,6 +20,10 @@ class OutputHead:
         cap = getattr(model.config, "final_logit_softcapping", None)
         self.cap = float(cap) if cap is not None else None
 
+    @property
+    def vocab_size(self) -> int:
+        return int(self.projection.weight.shape[0])
+
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.projection(hidden)
         if self.cap is None:
