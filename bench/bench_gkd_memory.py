@@ -5,10 +5,12 @@ same text and batch, alone in a fresh process; its peak is `getrusage(RUSAGE_CHI
 a small wrapper, and its speed the median tokens/s the training log reports after the first step.
 The working tree runs twice, as it is (the gkd recipe checkpoints) and with `gradient_checkpointing=false`;
 `--mmap-thresholds` adds a run of the working tree per glibc mmap threshold (`MALLOC_MMAP_THRESHOLD_`, bytes),
-compared with the working tree's default-allocator run.
+compared with the working tree's default-allocator run, and each `--set KEY=VALUE` a run of the working tree
+with that recipe setting.
 
     python bench/bench_gkd_memory.py --old 52d85a3 --student runs/demo/child --tokens 4096
     python bench/bench_gkd_memory.py --old 52d85a3 --student smollm2-135m --mmap-thresholds 1048576,4194304
+    python bench/bench_gkd_memory.py --old 52d85a3 --student runs/demo/child --set optim.micro_batch_sequences=1
 
 Run it alone on the machine: the speeds are wall-clock.
 """
@@ -74,6 +76,8 @@ def main() -> None:
     parser.add_argument("--student", required=True, help="a 135M student sharing SmolLM2's tokenizer")
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--mmap-thresholds", default="", help="comma-separated MALLOC_MMAP_THRESHOLD_ values (bytes)")
+    parser.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
+                        help="a further run of the working tree with this recipe setting (repeatable)")
     args = parser.parse_args()
     student = str(Path(args.student).resolve()) if Path(args.student).exists() else args.student
     with tempfile.TemporaryDirectory() as tmp:
@@ -86,6 +90,9 @@ def main() -> None:
             for threshold in filter(None, args.mmap_thresholds.split(",")):
                 rows.append(run(f"new, MALLOC_MMAP_THRESHOLD_={threshold}", student, args.tokens, work, None, {},
                                 {"MALLOC_MMAP_THRESHOLD_": threshold}))
+            for setting in args.settings:
+                key, _, value = setting.partition("=")
+                rows.append(run(f"new, {setting}", student, args.tokens, work, None, {key: value}))
         finally:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(work / "old-tree")],
                            capture_output=True)
