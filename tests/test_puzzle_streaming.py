@@ -3,6 +3,7 @@ bit, while at most one decoder layer is ever read in; and an activation cache th
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from safetensors.torch import load_file
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from conftest import make_char_tokenizer, make_tiny_llama, recording_reporter, save_with_tokenizer
+from mlxkit.engines.core.progress import Reporter, TaskHandle
 from mlxkit.engines.data.sampled import model_fingerprint
 from mlxkit.engines.models.decilm.convert import ResidentParent, StreamedParent, from_parent
 from mlxkit.engines.models.loading import load_config, load_model
@@ -66,7 +68,6 @@ class _LayerWatch:
             self.whole_loads += 1
             return load(*args, **kwargs)
 
-        import contextlib
         monkeypatch.setattr(StreamedParent, "hold", contextlib.contextmanager(watched_hold))
         monkeypatch.setattr(build, "_load_parent", counted_load)
 
@@ -94,6 +95,37 @@ def test_streamed_library_equals_the_resident_one(tied, tmp_path, tiny_recipe_fi
     index = _index_without_timings(streamed)
     assert _index_without_timings(resident)["run_key"]["parent"] == index["run_key"]["parent"]
     assert _index_without_timings(resident) == index
+
+
+def test_streamed_scoring_reports_progress_inside_a_pass(deep_parent, tiny_recipe_file, text_file, tmp_path):
+    """A pass yields its scores only after its last layer, so the scoring task must move before that:
+    the task's advances add up to the variants it scores, and most of them come before the first score."""
+    events: list[tuple[str, float]] = []
+
+    class Handle(TaskHandle):
+        def advance(self, amount: float = 1.0) -> None:
+            events.append(("advance", amount))
+
+        def update(self, **fields: object) -> None:
+            events.append(("scored", 0.0))
+
+    class ScoringWatch(Reporter):
+        @contextlib.contextmanager
+        def task(self, description: str, total: int | None = None):
+            if description.startswith("scoring"):
+                events.append(("total", float(total)))
+                yield Handle()
+            else:
+                yield TaskHandle()
+
+    run_library_build(_options(deep_parent, tiny_recipe_file, tmp_path / "lib", data=text_file), ScoringWatch())
+    assert events[0][0] == "total"
+    variants = events[0][1]
+    advances = [amount for kind, amount in events if kind == "advance"]
+    assert variants > 1 and sum(advances) == pytest.approx(variants)
+    before_first_score = sum(a for kind, a in events[1:events.index(("scored", 0.0))] if kind == "advance")
+    # One pass over 4 layers: every variant's layer steps come before the first head is scored.
+    assert before_first_score > 0.5 * variants
 
 
 @pytest.mark.parametrize("family,dtype", [("llama", torch.float32), ("llama-tied", torch.bfloat16),

@@ -484,10 +484,10 @@ def _score_streamed(parent, layers: StreamedParent, tail: ParentTail, todo: list
     replacements = [Replacement(u.layer, u.kind, functools.partial(load, u)) for u in todo]
     state_bytes = val_ids.numel() * parent.config.hidden_size * placement.dtype.itemsize
     with reporter.task(f"scoring {len(todo)} variants (replace-1-block KL)", total=len(todo)) as task:
-        for index, metrics in score_streamed(tail, layers, replacements, state_bytes=state_bytes):
+        for index, metrics in score_streamed(tail, layers, replacements, state_bytes=state_bytes,
+                                             progress=task.advance):
             unit = todo[index]
             library.save_score(unit.layer, unit.kind, unit.variant.name, metrics)
-            task.advance()
             task.update(last=unit.label, kl=metrics["kl_div"])
 
 

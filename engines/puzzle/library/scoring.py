@@ -140,7 +140,8 @@ class Replacement:
 
 @torch.inference_mode()
 def score_streamed(tail: ParentTail, layers, replacements: Sequence[Replacement], *, state_bytes: int,
-                   budget_bytes: int | None = None) -> Iterator[tuple[int, dict[str, float]]]:
+                   budget_bytes: int | None = None,
+                   progress: Callable[[float], None] | None = None) -> Iterator[tuple[int, dict[str, float]]]:
     """Replace-1-block metrics of many variants, holding one parent layer at a time.
 
     `layers.hold(j)` gives decoder layer j (a `StreamedParent` reads it from disk). Variants go
@@ -150,9 +151,15 @@ def score_streamed(tail: ParentTail, layers, replacements: Sequence[Replacement]
     whole pass; a variant joins at its own layer. Each variant's state goes through exactly the operations of
     `score_subblock` (never batched with another's), so the metrics are the same bit for bit.
     Yields (index into `replacements`, metrics) at the end of each pass.
+
+    A pass holds back every score until its last layer, so `progress`, when given, is called as the work
+    goes: each variant counts 1, shared evenly between its layers and its head, and the amounts add up to
+    the number of variants.
     """
     num_layers = tail.model.config.num_hidden_layers
     order = sorted(range(len(replacements)), key=lambda k: replacements[k].layer)
+    share = [1.0 / (num_layers - r.layer + 1) for r in replacements]
+    report = progress or (lambda amount: None)
     per_pass = max(1, (budget_bytes or STATE_BUDGET_BYTES) // max(1, state_bytes))
     for first in range(0, len(order), per_pass):
         wave = order[first:first + per_pass]
@@ -164,6 +171,7 @@ def score_streamed(tail: ParentTail, layers, replacements: Sequence[Replacement]
                 for k in joining:
                     block, val_in, val_mid = replacements[k].load()
                     states[k] = replaced_output(block, None, val_in, val_mid, tail.pos)
+                report(sum(share[k] for k in joining))
                 continue
             with layers.hold(j) as layer:
                 for k in states:
@@ -171,5 +179,8 @@ def score_streamed(tail: ParentTail, layers, replacements: Sequence[Replacement]
                 for k in joining:
                     block, val_in, val_mid = replacements[k].load()
                     states[k] = replaced_output(block, layer, val_in, val_mid, tail.pos)
+            report(sum(share[k] for k in states))
         for k in wave:
-            yield k, tail.score(states.pop(k))
+            metrics = tail.score(states.pop(k))
+            report(share[k])
+            yield k, metrics
