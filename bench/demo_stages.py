@@ -13,7 +13,8 @@ import re
 import sys
 from pathlib import Path
 
-DONE = re.compile(r"^\[[\d:]+\] (?P<task>.+?): (?:\d+/)?\d+ done in (?P<duration>\S+?),?(?: |$)")
+# "task: 12/90 done in 1m02s, ..." or, for a task that counts nothing, "task: done in 8s" (older code: "0 done in").
+DONE = re.compile(r"^\[[\d:]+\] (?P<task>.+?): (?:(?:\d+/)?[\d.]+ )?done in (?P<duration>\S+?),?(?: |$)")
 DURATION = re.compile(r"^(?:(?P<h>\d+)h)?(?:(?P<m>\d+)m)?(?:(?P<s>\d+)s)?$")
 
 

@@ -71,6 +71,11 @@ def test_track_without_a_total_and_a_failing_task_has_no_end_line():
     assert lines[-1] == "reading: 3 done in 6s, 0.5/s"
 
     stream.truncate(0), stream.seek(0)
+    with reporter.task("evaluating"):  # counts nothing: its end line gives the time alone
+        clock.now += 8
+    assert stream.getvalue().splitlines() == ["evaluating: started", "evaluating: done in 8s"]
+
+    stream.truncate(0), stream.seek(0)
     try:
         with reporter.task("doomed", total=2):
             raise RuntimeError("boom")

@@ -209,6 +209,34 @@ def test_checkpoints_come_by_step_count_and_by_wall_time(tmp_path):
     assert [r["step"] for r in records] == list(range(13)) and records[-1]["tokens"] == 120
 
 
+def test_the_evaluation_before_the_first_step_is_a_task_of_its_own(tmp_path):
+    """A fresh run evaluates before its step task starts; on a 135M model that is tens of seconds, which a
+    log must show as a stage rather than as silence."""
+    import contextlib
+
+    from mlxkit.engines.core.progress import Reporter, TaskHandle
+    from mlxkit.engines.training.checkpoint import TrainingState
+    from mlxkit.engines.training.loop import StepLoop, StepOutcome
+
+    events: list[str] = []
+
+    class Watch(Reporter):
+        @contextlib.contextmanager
+        def task(self, description: str, total: int | None = None):
+            events.append(f"start {description}")
+            yield TaskHandle()
+            events.append(f"end {description}")
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    loop = StepLoop(tmp_path / "log.jsonl", Distributed(), Watch(), TrainingState(0, 0, 0, {}), total_steps=2,
+                    eval_every=100, checkpoint_every=100)
+    loop.run(title="GKD", step=lambda index: StepOutcome({"loss": 1.0}, 10),
+             evaluate=lambda: events.append("evaluate") or {}, optimizer=optimizer, checkpoint=lambda: None)
+    first = "GKD: held-out evaluation before the first step"
+    assert events[:3] == [f"start {first}", "evaluate", f"end {first}"]
+    assert events[3] == "start GKD"
+
+
 def test_a_log_torn_below_its_checkpoint_is_restored_from_the_copy_taken_with_it(tmp_path):
     from mlxkit.engines.training.work import back_up_log, truncate_log
 

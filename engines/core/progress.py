@@ -158,7 +158,9 @@ class _LogTaskHandle(TaskHandle):
 
     def finish(self) -> None:
         elapsed = self.clock() - self.started
-        parts = [f"{self._progress_count()} done in {_duration(elapsed)}"]
+        # A task that counts nothing (no total, never advanced) says only how long it took, not "0 done".
+        counted = self.total is not None or self.done
+        parts = [(f"{self._progress_count()} " if counted else "") + f"done in {_duration(elapsed)}"]
         if elapsed > 0 and self.done:
             parts.append(f"{_rate(self.done / elapsed)}/s")
         self.write(self._line(parts))

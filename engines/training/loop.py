@@ -88,7 +88,8 @@ class StepLoop:
             truncate_log(self.log, state.log_lines)
         if fresh and (self.dist.is_main or self.collective):
             record = first_record() if first_record is not None else {"step": 0, self.unit: 0}
-            record = {**record, "eval": evaluate()}
+            with self.reporter.task(f"{title}: held-out evaluation before the first step"):
+                record = {**record, "eval": evaluate()}
             if self.dist.is_main:
                 append_log(self.log, record, state)
         self.dist.barrier()
