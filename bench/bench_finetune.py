@@ -77,7 +77,8 @@ def stage(recipe: str, args: argparse.Namespace, key: dict) -> dict:
               "median_step_s": statistics.median(step_s[1:] or step_s),  # the first step warms up
               "train_s": summary["train_seconds"], "loss_before": summary["before"]["loss"],
               "loss_after": summary["after"]["loss"],
-              "evals": [{"step": r["step"], "train_s": r["train_s"], "loss": r["eval"]["loss"]}
+              # the evaluation before the first step comes after no training
+              "evals": [{"step": r["step"], "train_s": r.get("train_s", 0.0), "loss": r["eval"]["loss"]}
                         for r in log if "eval" in r]}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1) + "\n")

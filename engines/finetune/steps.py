@@ -26,7 +26,7 @@ from mlxkit.engines.finetune.zeroth_order import mix_gradient, spsa_losses, zo_g
 from mlxkit.engines.training.device import Placement
 from mlxkit.engines.training.distributed import Distributed, gradients
 from mlxkit.engines.training.sharding import is_sharded
-from mlxkit.engines.training.step import term_sums
+from mlxkit.engines.training.step import release_freed_host_memory, term_sums
 
 
 @contextlib.contextmanager
@@ -58,6 +58,7 @@ def first_order_step(model: FinetuneModel, params: Sequence[torch.nn.Parameter],
             loss = model.loss_sum(piece)
         (loss / units).backward()
         loss_sum += loss.detach().double()
+        release_freed_host_memory(placement.device)
     # A sharded model's gradients were already summed over ranks by FSDP.
     dist.all_reduce_sum([*gradients([p for p in params if not is_sharded(p)]), loss_sum])
     return {"loss": loss_sum[0] / units}  # a device tensor: the step loop reads it back at logged steps

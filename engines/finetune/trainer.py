@@ -41,7 +41,7 @@ from mlxkit.engines.training.schedule import batch_indices
 from mlxkit.engines.training.spec import build_adamw, gradient_checkpointing_on
 from mlxkit.engines.training.sharding import build_sharded, meta_model, sharding_on
 from mlxkit.engines.training.step import (check_global_batch, clip_and_step, enable_gradient_checkpointing,
-                                          place_trainable, set_learning_rate)
+                                          place_trainable, release_freed_host_memory, set_learning_rate)
 from mlxkit.engines.training.work import check_run_key, finished_run_key, refuse_existing_output
 
 LOG_NAME = "finetune_log.jsonl"
@@ -222,6 +222,7 @@ class FinetuneRun(TrainingRun):
             terms = first_order_step(self.model, self.params, self._pieces(indices[rank::world]), units, self.dist,
                                      self.placement)
         clip_and_step(self.optimizer, self.params, spec.grad_clip)
+        release_freed_host_memory(self.placement.device)
         return StepOutcome(terms, int(self.train_data.lengths[indices].sum()), {"loss": terms["loss"]})
 
     def evaluate(self) -> dict[str, float]:
