@@ -45,14 +45,19 @@ def _weights(out: Path) -> dict[str, torch.Tensor]:
 
 # ----------------------------------------------------------------------------- losses against direct formulas
 
-@pytest.mark.parametrize("temperature", [1.0, 2.0])
-def test_chunked_logit_terms_match_a_direct_computation_in_value_and_gradient(temperature):
-    torch.manual_seed(0)
-    batch, seq, hidden, vocab = 2, 7, 8, 11
+def _two_heads_and_states(seed: int, batch: int, seq: int, hidden: int, vocab: int):
+    """Random student and teacher heads, final hidden states (the student's requiring grad) and token ids."""
+    torch.manual_seed(seed)
     head_s, head_t = torch.nn.Linear(hidden, vocab, bias=False), torch.nn.Linear(hidden, vocab, bias=False)
     h_s = torch.randn(batch, seq, hidden, requires_grad=True)
     h_t = torch.randn(batch, seq, hidden)
-    ids = torch.randint(0, vocab, (batch, seq))
+    return head_s, head_t, h_s, h_t, torch.randint(0, vocab, (batch, seq))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_chunked_logit_terms_match_a_direct_computation_in_value_and_gradient(temperature):
+    batch, seq, hidden, vocab = 2, 7, 8, 11
+    head_s, head_t, h_s, h_t, ids = _two_heads_and_states(0, batch, seq, hidden, vocab)
 
     sums = logit_term_sums(h_s, h_t, ids, head_s, head_t, temperature=temperature, with_kl=True, with_nll=True,
                            chunk=3)
@@ -76,12 +81,8 @@ def test_chunked_logit_terms_match_a_direct_computation_in_value_and_gradient(te
 def test_kl_term_equals_the_metric_bit_for_bit_and_its_gradient_autograds(temperature):
     from mlxkit.engines.eval.metrics import kl_from_log_probs
 
-    torch.manual_seed(1)
     batch, seq, hidden, vocab = 2, 9, 8, 13
-    head_s, head_t = torch.nn.Linear(hidden, vocab, bias=False), torch.nn.Linear(hidden, vocab, bias=False)
-    h_s = torch.randn(batch, seq, hidden, requires_grad=True)
-    h_t = torch.randn(batch, seq, hidden)
-    ids = torch.randint(0, vocab, (batch, seq))
+    head_s, head_t, h_s, h_t, ids = _two_heads_and_states(1, batch, seq, hidden, vocab)
     sums = logit_term_sums(h_s, h_t, ids, head_s, head_t, temperature=temperature, chunk=batch * (seq - 1))
     sums.kl.backward()
 
